@@ -1,0 +1,36 @@
+# `make demo` and `make test` work on a fresh machine: each creates .venv, installs
+# torch==2.13.0 first (a bare `torch` requirement could pull a multi-GB CUDA build),
+# then this package with the extras it needs.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+TORCH := torch==2.13.0
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH)
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.torch pyproject.toml
+	$(PIP) install -e '.[dev,plot]'
+	touch $@
+
+demo: $(VENV)/.dev
+	$(PY) -m sdpa demo
+
+test: $(VENV)/.dev
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.dev
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
+
+bench: $(VENV)/.dev
+	$(PY) benchmarks/bench_core.py --json benchmarks/results/core.json
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,17 @@
+"""sdpa: scaled dot-product attention for PyTorch that is fast and shows its work."""
+
+from sdpa.backends import NotSupportedError
+from sdpa.functional import AttentionResult, attention, scaled_dot_product_attention
+from sdpa.nn import PositionalEncoding
+from sdpa.weights import AttentionWeights, StaleWeightsError
+
+__all__ = [
+    "AttentionResult",
+    "AttentionWeights",
+    "NotSupportedError",
+    "PositionalEncoding",
+    "StaleWeightsError",
+    "attention",
+    "scaled_dot_product_attention",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from sdpa.cli import main
+
+sys.exit(main())

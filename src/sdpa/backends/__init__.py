@@ -1,0 +1,44 @@
+"""Backend registry: `select(inputs, name)` picks who runs an attention call.
+
+"auto" takes the first backend in `PRIORITY` that supports the inputs; an explicit
+name never falls back, and when nothing fits the error lists every backend's reasons.
+"""
+
+from __future__ import annotations
+
+from sdpa.backends.base import Backend, NotSupportedError
+from sdpa.backends.fused import Fused
+from sdpa.backends.reference import Reference
+from sdpa.inputs import Inputs
+
+PRIORITY: tuple[Backend, ...] = (Fused(), Reference())
+BACKENDS: dict[str, Backend] = {b.name: b for b in PRIORITY}
+
+
+def _describe(reasons: dict[str, list[str]]) -> str:
+    return "; ".join(f"{name}: {', '.join(r)}" for name, r in reasons.items())
+
+
+def select(inputs: Inputs, name: str = "auto", priority: tuple[Backend, ...] = PRIORITY) -> Backend:
+    """The backend that runs `inputs`; raises NotSupportedError naming every reason."""
+    if name == "auto":
+        reasons: dict[str, list[str]] = {}
+        for backend in priority:
+            why = backend.not_supported_reasons(inputs)
+            if not why:
+                return backend
+            reasons[backend.name] = why
+        raise NotSupportedError(f"no backend can run these inputs. {_describe(reasons)}")
+    backend = BACKENDS.get(name) if isinstance(name, str) else None
+    if backend is None:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
+    why = backend.not_supported_reasons(inputs)
+    if why:
+        raise NotSupportedError(
+            f"backend {name!r} cannot run these inputs ({_describe({name: why})}); "
+            f"backend='auto' picks one that can"
+        )
+    return backend
+
+
+__all__ = ["BACKENDS", "PRIORITY", "Backend", "NotSupportedError", "select"]

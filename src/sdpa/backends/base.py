@@ -1,0 +1,32 @@
+"""What every backend is: a name, the reasons it cannot run some inputs, and a forward."""
+
+from __future__ import annotations
+
+import torch
+
+from sdpa.inputs import Inputs
+
+
+class NotSupportedError(ValueError):
+    """No backend (or not the one asked for) can run these inputs; the message says why."""
+
+
+class Backend:
+    """A way to compute attention. Subclasses set `name` and implement both methods.
+
+    forward returns (output (B, Hq, L, Ev) in the input dtype, differentiable;
+    lse (B, Hq, L) in the compute dtype, with 0 for rows that see no key).
+    Weights are never returned: `AttentionWeights` rebuilds them from the LSE.
+    """
+
+    name: str = ""
+
+    def not_supported_reasons(self, inputs: Inputs) -> list[str]:
+        """Plain sentences, one per reason this backend cannot run `inputs`; [] if it can."""
+        raise NotImplementedError
+
+    def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<sdpa backend {self.name!r}>"

@@ -1,0 +1,52 @@
+"""The listing's math in plain torch, with the documented edge semantics.
+
+Materialises the (B, Hq, L, S) scores. Excluded positions get -inf; rows that see no
+key give output 0 (and LSE 0, the fused kernel's convention); 16-bit inputs take
+their softmax in float32. Differentiable, and the only backend with dropout on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sdpa.backends.base import Backend
+from sdpa.inputs import Inputs
+
+
+def causal_keep(L: int, S: int, device: torch.device) -> torch.Tensor:
+    """Top-left causal keep-mask (L, S): query i sees keys j <= i."""
+    return torch.ones(L, S, dtype=torch.bool, device=device).tril()
+
+
+class Reference(Backend):
+    name = "reference"
+
+    def not_supported_reasons(self, inputs: Inputs) -> list[str]:
+        return []
+
+    def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
+        cd = inputs.compute_dtype
+        group = q.shape[1] // k.shape[1]
+        if group > 1:  # grouped-query attention: query head h uses key/value head h // group
+            k = k.repeat_interleave(group, dim=1)  # (B, Hq, S, E)
+            v = v.repeat_interleave(group, dim=1)  # (B, Hq, S, Ev)
+        scores = torch.matmul(q.to(cd), k.to(cd).transpose(-2, -1)) * inputs.scale  # (B,Hq,L,S)
+        if inputs.causal:
+            scores = scores.masked_fill(~causal_keep(*scores.shape[-2:], scores.device), -torch.inf)
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, -torch.inf)
+            else:
+                scores = scores + mask.to(cd)
+        with torch.no_grad():
+            dead = (scores == -torch.inf).all(dim=-1, keepdim=True)  # (B, Hq, L, 1)
+        scores = scores.masked_fill(dead, 0.0)  # keeps softmax and its gradient finite
+        p = torch.softmax(scores, dim=-1).masked_fill(dead, 0.0)  # (B, Hq, L, S)
+        with torch.no_grad():
+            lse = torch.logsumexp(scores, dim=-1).masked_fill(dead.squeeze(-1), 0.0)  # (B,Hq,L)
+        if inputs.dropout_p > 0:
+            p = F.dropout(p, inputs.dropout_p, training=True)
+        out = torch.matmul(p, v.to(cd)).to(q.dtype)  # (B, Hq, L, Ev)
+        return out, lse

@@ -1,0 +1,98 @@
+"""The public calls: `attention` (output and lazy weights) and the torch drop-in."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from sdpa.backends import select
+from sdpa.inputs import Inputs, normalize
+from sdpa.weights import AttentionWeights, _no_autocast
+
+
+class AttentionResult(NamedTuple):
+    """What `attention` and every module return: the listing's two values."""
+
+    output: torch.Tensor  # (..., L, Ev)
+    weights: AttentionWeights  # lazy (..., L, S)
+
+
+def _forward(inputs: Inputs, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the chosen backend; output reshaped to (*lead, L, Ev), lse kept (B, Hq, L)."""
+    impl = select(inputs, backend)
+    with _no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
+        out, lse = impl.forward(inputs)
+    L, Ev = inputs.query.shape[-2], inputs.value.shape[-1]
+    return out.reshape(*inputs.lead, L, Ev), lse
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> AttentionResult:
+    """Scaled dot-product attention that also returns its weights, lazily.
+
+    Shapes: query (..., L, E), key (..., S, E), value (..., S, Ev) -> output (..., L, Ev);
+    weights view (..., Hq, L, S). L: queries, S: keys, E: query/key width, Ev: value width.
+    Leading dims broadcast; for 4-D+ inputs dim -3 is heads and key/value heads may
+    divide query heads (grouped-query attention: query head h uses key/value head
+    h // (Hq // Hkv)). A 3-D input's dim -3 is batch.
+
+    mask: bool/int (True/nonzero = takes part) or float (added to the scores),
+    broadcasting to (..., L, S); a 2-D mask is (L, S), key padding (B, 1, 1, S).
+    causal: query i sees keys j <= i; needs L == S and is ANDed with `mask`.
+    scale: defaults to 1/sqrt(E). dropout_p: dropout on the weights before they
+    multiply value; the weights returned are the probabilities before dropout.
+    Rows with no key left give output 0 and weights 0. Softmax statistics and weights
+    are float32 for 16-bit inputs. Under torch.autocast the inputs are cast as torch's
+    own scaled_dot_product_attention casts them.
+
+    backend: "auto" (the first that supports the inputs: fused, then reference),
+    "fused" or "reference"; an explicit backend that cannot run raises, naming why.
+
+    Equivalent to (up to rounding, without materialising the scores):
+        s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
+    """
+    inputs = normalize(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+    out, lse = _forward(inputs, backend)
+    return AttentionResult(out, AttentionWeights(inputs, lse))
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention, on sdpa's engine.
+
+    Same signature and, for every call torch accepts, torch's result: bool attn_mask
+    True = takes part, float attn_mask added, is_causal top-left for L != S, key/value
+    heads dividing query heads only with enable_gqa=True. attn_mask together with
+    is_causal raises, as torch documents. Beyond torch it also takes integer keep-masks
+    and float masks of any float dtype.
+    """
+    if attn_mask is not None and is_causal:
+        raise ValueError(
+            "attn_mask and is_causal=True were both given; torch's documentation makes this "
+            "an error. AND the causal mask into attn_mask yourself, or use "
+            "sdpa.attention(q, k, v, mask, causal=True)"
+        )
+    inputs = normalize(
+        query, key, value, attn_mask,
+        causal=is_causal, scale=scale, dropout_p=dropout_p,
+        causal_square_only=False, gqa=enable_gqa,
+    )  # fmt: skip
+    return _forward(inputs, "auto")[0]

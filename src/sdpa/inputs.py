@@ -1,0 +1,269 @@
+"""Validation and the one normalised record every backend reads.
+
+Every public call goes through `normalize`: it checks the arguments (nothing is
+computed on bad input), applies torch's autocast casting rule, and lays the tensors
+out as 4-D views, without copying where broadcasting allows:
+
+    query (B, Hq, L, E)   key (B, Hkv, S, E)   value (B, Hkv, S, Ev)
+    mask  None, or a bool/float tensor broadcastable to (B, Hq, L, S)
+
+B: all leading (batch) dims flattened; Hq: query heads; Hkv: key/value heads, dividing
+Hq (grouped-query attention: query head h uses key/value head h // (Hq // Hkv)).
+Inputs of 2 or 3 dims have no heads dim: Hq = Hkv = 1 and a 3-D input's dim -3 is batch.
+`lead` is the user-facing shape in front of (L, S): the weights are (*lead, L, S) and
+the output (*lead, L, Ev).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class Inputs(NamedTuple):
+    """Validated attention inputs in (B, H, L, D) layout (see the module docstring)."""
+
+    query: torch.Tensor  # (B, Hq, L, E)
+    key: torch.Tensor  # (B, Hkv, S, E)
+    value: torch.Tensor  # (B, Hkv, S, Ev)
+    mask: torch.Tensor | None  # bool (True = takes part) or float (added), -> (B, Hq, L, S)
+    causal: bool  # top-left: query i sees keys j <= i (identical to bottom-right if L == S)
+    scale: float
+    dropout_p: float
+    lead: tuple[int, ...]  # user-facing dims in front of (L, S)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """float32 for 16-bit inputs (softmax statistics), else the input dtype."""
+        return torch.float32 if self.query.dtype in HALF_DTYPES else self.query.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the full attention weights, (*lead, L, S)."""
+        return (*self.lead, self.query.shape[-2], self.key.shape[-2])
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dims (..., length, features), got shape {_shape(t)}"
+        )
+    return t
+
+
+def _autocast(tensors: list[torch.Tensor | None], device_type: str) -> list[torch.Tensor | None]:
+    """torch's autocast rule for SDPA: floating tensors other than float64 take the
+    autocast dtype (torch.get_autocast_dtype); bool masks and float64 are left alone."""
+    target = torch.get_autocast_dtype(device_type)
+    return [
+        t.to(target)
+        if t is not None and t.is_floating_point() and t.dtype not in (torch.float64, target)
+        else t
+        for t in tensors
+    ]
+
+
+def _broadcast(what: str, shapes: list[tuple[int, ...]], names: list[str]) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        seen = ", ".join(f"{n} {s}" for n, s in zip(names, shapes, strict=True))
+        raise ValueError(
+            f"the {what} of query, key and value must broadcast (equal, or 1), got {seen}"
+        ) from None
+
+
+def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool) -> torch.Tensor:
+    """(..., X, Y) -> (B, heads, X, Y): a view, or a copy only when >1 batch dims must
+    be broadcast and flattened."""
+    if not has_heads:  # (X, Y) or (N, X, Y): no heads dim
+        t = t.unsqueeze(-3)  # (.., 1, X, Y)
+    t = t.reshape((1,) * (len(batch) + 3 - t.ndim) + tuple(t.shape))  # (*1s, h, X, Y)
+    t = t.expand(*batch, heads, t.shape[-2], t.shape[-1])  # (*batch, heads, X, Y)
+    if len(batch) != 1:
+        t = t.reshape(math.prod(batch), heads, t.shape[-2], t.shape[-1])  # (B, heads, X, Y)
+    return t
+
+
+def _normalize_mask(
+    mask: object, query: torch.Tensor, lead: tuple[int, ...], L: int, S: int
+) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"mask must be None or a torch.Tensor (bool/int: nonzero takes part; float: added "
+            f"to the scores), got {type(mask).__name__}"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
+    if mask.dtype == torch.bool:
+        pass
+    elif mask.is_floating_point():
+        # float masks are added in the softmax precision (float32 for 16-bit inputs)
+        want = torch.float32 if query.dtype in HALF_DTYPES else query.dtype
+        if mask.dtype not in (want, query.dtype):
+            mask = mask.to(want)
+    elif mask.is_complex():
+        raise TypeError(f"mask must be bool, integer or real floating, got {mask.dtype}")
+    else:  # integer keep-mask, the listing's convention: nonzero takes part
+        mask = mask != 0
+    target = (*lead, L, S)
+    if mask.ndim > len(target) or _broadcast_or_none(_shape(mask), target) != target:
+        raise ValueError(
+            f"mask of shape {_shape(mask)} does not broadcast to the weights' shape {target} "
+            f"(..., L={L}, S={S}); a 2-D mask is (L, S), key padding is (B, 1, 1, S)"
+        )
+    return mask
+
+
+def _broadcast_or_none(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
+
+
+def normalize(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    causal_square_only: bool = True,
+    gqa: bool = True,
+) -> Inputs:
+    """Validate the arguments of an attention call and lay them out as `Inputs`.
+
+    causal_square_only: refuse causal with L != S (`attention`); the drop-in passes
+    False and gets torch's top-left alignment. gqa: allow Hkv < Hq (the drop-in's
+    enable_gqa); Hkv == 1 always broadcasts.
+    """
+    query = _check_tensor("query", query)
+    key = _check_tensor("key", key)
+    value = _check_tensor("value", value)
+    if torch.is_autocast_enabled(query.device.type):
+        query, key, value, mask = _autocast([query, key, value, mask], query.device.type)
+
+    if not query.is_floating_point():
+        raise TypeError(
+            f"query must be a floating tensor (float32, float64, bfloat16 or float16), "
+            f"got {query.dtype}"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"query, key and value must have the same dtype, got query {query.dtype}, "
+            f"key {key.dtype}, value {value.dtype}; cast them to one dtype"
+        )
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(
+            f"query, key and value must be on one device, got query {query.device}, "
+            f"key {key.device}, value {value.device}"
+        )
+    L, E = query.shape[-2:]
+    S = value.shape[-2]
+    if key.shape[-1] != E:
+        raise ValueError(
+            f"query and key must have the same feature size E, got query {_shape(query)} "
+            f"(E={E}) and key {_shape(key)} (E={key.shape[-1]})"
+        )
+    if key.shape[-2] != S:
+        raise ValueError(
+            f"key and value must have the same length S, got key {_shape(key)} "
+            f"(S={key.shape[-2]}) and value {_shape(value)} (S={S})"
+        )
+    if E == 0:
+        raise ValueError(f"query and key need at least one feature, got E=0 in {_shape(query)}")
+
+    has_heads = max(query.ndim, key.ndim, value.ndim) >= 4
+    if has_heads:  # (..., H, L, E): dim -3 is heads
+        names = ["query", "key", "value"]
+        batch = _broadcast(
+            "batch dims (all but the last 3)",
+            [_shape(t)[:-3] for t in (query, key, value)],
+            names,
+        )
+        hq, hk, hv = (t.shape[-3] if t.ndim >= 3 else 1 for t in (query, key, value))
+        if hk != hv and 1 not in (hk, hv):
+            raise ValueError(
+                f"key and value must have the same number of heads (dim -3), got key "
+                f"{_shape(key)} ({hk} heads) and value {_shape(value)} ({hv} heads)"
+            )
+        hkv = max(hk, hv)
+        if hq == 1:
+            hq = hkv  # one query head broadcast over every key/value head
+        if hq % hkv:
+            raise ValueError(
+                f"key/value heads must divide query heads (grouped-query attention), got "
+                f"{hq} query heads (query {_shape(query)}) and {hkv} key/value heads "
+                f"(key {_shape(key)})"
+            )
+        if not gqa and hkv not in (1, hq):
+            raise ValueError(
+                f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
+                f"grouped-query attention (query head h uses key/value head h // {hq // hkv})"
+            )
+        lead = (*batch, hq)
+    else:  # (L, E) or (N, L, E): dim -3 is batch, never heads
+        batch = _broadcast(
+            "batch dim (dim -3 of 3-D inputs)",
+            [_shape(t)[:-2] for t in (query, key, value)],
+            ["query", "key", "value"],
+        )
+        hq = hkv = 1
+        lead = batch
+
+    if mask is not None:
+        mask = _normalize_mask(mask, query, lead, L, S)
+    if causal and causal_square_only and L != S:
+        raise ValueError(
+            f"causal=True needs as many queries as keys, got L={L} and S={S}: for L != S "
+            f"the alignment is ambiguous. Pass the mask you mean instead: "
+            f"sdpa.masks.causal(align='bottom-right') (KV-cache decoding, FlashAttention) or "
+            f"align='top-left' (torch's is_causal); as a tensor, "
+            f"torch.ones(L, S, dtype=torch.bool).tril(S - L) is bottom-right"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(E)
+    elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None (1/sqrt(E)), got {scale!r}")
+    if (
+        isinstance(dropout_p, bool)
+        or not isinstance(dropout_p, int | float)
+        or not (0.0 <= dropout_p <= 1.0)
+    ):
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+
+    q4 = _to_4d(query, batch, hq, has_heads)
+    k4 = _to_4d(key, batch, hkv, has_heads)
+    v4 = _to_4d(value, batch, hkv, has_heads)
+    if mask is not None:
+        mask = _mask_to_4d(mask, batch, hq, has_heads, L, S)
+    return Inputs(q4, k4, v4, mask, bool(causal), float(scale), float(dropout_p), lead)
+
+
+def _mask_to_4d(
+    mask: torch.Tensor, batch: tuple[int, ...], hq: int, has_heads: bool, L: int, S: int
+) -> torch.Tensor:
+    """(..., L|1, S|1) -> (B|1, Hq|1, L, S) as a view (stride 0 where broadcast)."""
+    if not has_heads:
+        mask = mask.reshape((1,) * (len(batch) + 2 - mask.ndim) + tuple(mask.shape))
+        mask = mask.unsqueeze(-3)  # (N|1, 1, L|1, S|1)
+    else:
+        mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
+    heads = mask.shape[-3]
+    if len(batch) > 1:  # flatten several batch dims into B
+        mask = mask.expand(*batch, heads, mask.shape[-2], mask.shape[-1])
+        mask = mask.reshape(math.prod(batch), heads, mask.shape[-2], mask.shape[-1])
+    return mask.expand(mask.shape[0], heads, L, S)  # (B|1, Hq|1, L, S)

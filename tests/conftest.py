@@ -1,0 +1,61 @@
+"""Fixtures: a fresh, reported seed per test, and inputs of every mask kind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+MASK_KINDS = ["none", "bool", "int", "float", "float_inf", "key_padding", "2d", "dead_rows"]
+
+
+@pytest.fixture
+def gen(request):
+    """A torch.Generator with a fresh seed, printed on failure so it can be replayed."""
+    seed = random.randrange(2**31)
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def make_mask(gen, kind, B, H, L, S):
+    """A mask of `kind` broadcasting to (B, H, L, S), or None."""
+    keep = torch.rand(B, H, L, S, generator=gen) < 0.7
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return keep
+    if kind == "int":
+        return keep.to(torch.int64) * torch.randint(1, 5, (B, H, L, S), generator=gen)
+    if kind == "float":
+        return torch.randn(B, 1, L, S, generator=gen)
+    if kind == "float_inf":
+        return torch.randn(B, H, L, S, generator=gen).masked_fill(~keep, float("-inf"))
+    if kind == "key_padding":
+        lengths = torch.randint(1, S + 1, (B,), generator=gen)
+        return (torch.arange(S) < lengths[:, None]).view(B, 1, 1, S)
+    if kind == "2d":
+        return keep[0, 0]
+    if kind == "dead_rows":
+        dead = keep.clone()
+        dead[..., :: max(1, L // 3), :] = False  # every third query row sees no key
+        return dead
+    raise ValueError(kind)
+
+
+def make_inputs(
+    gen, *, B=2, Hq=3, Hkv=None, L=7, S=9, E=16, Ev=None, dtype=torch.float32, mask_kind="none"
+):
+    Hkv = Hq if Hkv is None else Hkv
+    Ev = E if Ev is None else Ev
+    q = randn(gen, B, Hq, L, E, dtype=dtype)
+    k = randn(gen, B, Hkv, S, E, dtype=dtype)
+    v = randn(gen, B, Hkv, S, Ev, dtype=dtype)
+    return q, k, v, make_mask(gen, mask_kind, B, Hq, L, S)

@@ -1,0 +1,54 @@
+"""Dispatch: auto picks the first backend that fits; explicit ones never fall back."""
+
+from __future__ import annotations
+
+import pytest
+
+import sdpa
+from sdpa.backends import BACKENDS, PRIORITY, Backend, NotSupportedError, select
+from sdpa.inputs import normalize
+
+from conftest import make_inputs
+
+
+class Refuses(Backend):
+    def __init__(self, name, reason):
+        self.name, self.reason = name, reason
+
+    def not_supported_reasons(self, inputs):
+        return [self.reason]
+
+
+def test_auto_prefers_fused_and_falls_to_reference_for_dropout(gen):
+    q, k, v, _ = make_inputs(gen)
+    assert select(normalize(q, k, v)).name == "fused"
+    assert select(normalize(q, k, v, dropout_p=0.2)).name == "reference"
+    assert [b.name for b in PRIORITY] == ["fused", "reference"] and set(BACKENDS) == {
+        "fused",
+        "reference",
+    }
+
+
+def test_none_fits_lists_every_backend_with_reasons(gen):
+    q, k, v, _ = make_inputs(gen)
+    priority = (Refuses("a", "no good reason"), Refuses("b", "inputs on a toaster"))
+    with pytest.raises(
+        NotSupportedError,
+        match=r"no backend can run these inputs. "
+        r"a: no good reason; b: inputs on a toaster",
+    ):
+        select(normalize(q, k, v), "auto", priority)
+
+
+def test_explicit_backend_raises_with_its_reasons(gen):
+    q, k, v, _ = make_inputs(gen, L=0)
+    with pytest.raises(
+        NotSupportedError,
+        match=r"backend 'fused' cannot run these inputs "
+        r"\(fused: an empty dimension .*\); backend='auto' picks one that can",
+    ):
+        sdpa.attention(q, k, v, backend="fused")
+
+
+def test_not_supported_is_a_value_error():
+    assert issubclass(NotSupportedError, ValueError)

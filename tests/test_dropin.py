@@ -1,0 +1,94 @@
+"""sdpa.scaled_dot_product_attention gives torch's result for every call torch accepts."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sdpa
+
+from conftest import make_inputs, randn
+
+
+def same_as_torch(*args, atol=1e-5, **kwargs):
+    """Equal up to rounding: torch's own backends differ by ~2e-6 in float32."""
+    ours = sdpa.scaled_dot_product_attention(*args, **kwargs)
+    theirs = F.scaled_dot_product_attention(*args, **kwargs)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+
+
+def test_signature_is_torchs():
+    params = list(inspect.signature(sdpa.scaled_dot_product_attention).parameters.values())
+    assert [(p.name, p.default) for p in params] == [
+        ("query", inspect.Parameter.empty), ("key", inspect.Parameter.empty),
+        ("value", inspect.Parameter.empty), ("attn_mask", None), ("dropout_p", 0.0),
+        ("is_causal", False), ("scale", None), ("enable_gqa", False),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "float_inf", "key_padding", "2d"])
+@pytest.mark.parametrize("L,S,E,Ev", [(1, 1, 16, 16), (97, 130, 40, 59), (130, 97, 59, 16)])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_masks_sizes_scales(gen, mask_kind, L, S, E, Ev, scale):
+    q, k, v, mask = make_inputs(gen, L=L, S=S, E=E, Ev=Ev, mask_kind=mask_kind)
+    same_as_torch(q, k, v, mask, scale=scale)
+
+
+@pytest.mark.parametrize("L,S", [(5, 5), (3, 9), (9, 3)])
+def test_is_causal_is_top_left_like_torch(gen, L, S):
+    q, k, v, _ = make_inputs(gen, L=L, S=S)
+    same_as_torch(q, k, v, is_causal=True)
+
+
+def test_enable_gqa(gen):
+    q, k, v, _ = make_inputs(gen, Hq=8, Hkv=2, L=17, S=19)
+    same_as_torch(q, k, v, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"pass enable_gqa=True"):
+        sdpa.scaled_dot_product_attention(q, k, v)
+    # one key/value head broadcasts without enable_gqa, as in torch
+    same_as_torch(q, k[:, :1], v[:, :1])
+
+
+def test_dims_2_3_5(gen):
+    same_as_torch(randn(gen, 4, 8), randn(gen, 6, 8), randn(gen, 6, 3))
+    same_as_torch(randn(gen, 2, 4, 8), randn(gen, 1, 6, 8), randn(gen, 1, 6, 3))
+    same_as_torch(randn(gen, 3, 2, 4, 5, 8), randn(gen, 3, 2, 4, 6, 8), randn(gen, 3, 2, 4, 6, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_dtypes(gen, dtype):
+    q, k, v, mask = make_inputs(gen, L=33, S=47, dtype=dtype, mask_kind="bool")
+    same_as_torch(q, k, v, mask, atol=1e-2 if dtype != torch.float64 else 1e-12)
+
+
+def test_fully_masked_rows_are_zero_like_torch(gen):
+    q, k, v, _ = make_inputs(gen, L=4, S=5)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[1] = False
+    same_as_torch(q, k, v, mask)
+
+
+def test_mask_with_is_causal_raises_as_torch_documents(gen):
+    q, k, v, mask = make_inputs(gen, L=5, S=5, mask_kind="bool")
+    with pytest.raises(ValueError, match=r"attn_mask and is_causal=True were both given"):
+        sdpa.scaled_dot_product_attention(q, k, v, mask, is_causal=True)
+
+
+def test_gradients_like_torch(gen):
+    q, k, v, mask = make_inputs(gen, L=21, S=21, mask_kind="float")
+    ours = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    theirs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    sdpa.scaled_dot_product_attention(*ours, mask).square().sum().backward()
+    F.scaled_dot_product_attention(*theirs, mask).square().sum().backward()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=0)
+
+
+def test_superset_integer_keep_mask(gen):
+    q, k, v, mask = make_inputs(gen, mask_kind="bool")
+    ours = sdpa.scaled_dot_product_attention(q, k, v, mask.to(torch.int32))
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, mask))
