@@ -23,8 +23,9 @@ def _forward(inputs: Inputs, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     impl = select(inputs, backend)
     with _no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
         out, lse = impl.forward(inputs)
-    L, Ev = inputs.query.shape[-2], inputs.value.shape[-1]
-    return out.reshape(*inputs.lead, L, Ev), lse
+    if len(inputs.lead) != 2:  # (B, Hq, L, Ev) -> (*lead, L, Ev)
+        out = out.reshape(*inputs.lead, *out.shape[-2:])
+    return out, lse
 
 
 def attention(

@@ -73,19 +73,38 @@ def _autocast(tensors: list[torch.Tensor | None], device_type: str) -> list[torc
     ]
 
 
+def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """torch's broadcasting of shapes, or None if they do not broadcast (pure Python:
+    torch.broadcast_shapes costs several microseconds)."""
+    n = max(len(s) for s in shapes)
+    out = []
+    for i in range(-n, 0):
+        size = 1
+        for s in shapes:
+            d = s[i] if -i <= len(s) else 1
+            if d != 1:
+                if size not in (1, d):
+                    return None
+                size = d
+        out.append(size)
+    return tuple(out)
+
+
 def _broadcast(what: str, shapes: list[tuple[int, ...]], names: list[str]) -> tuple[int, ...]:
-    try:
-        return tuple(torch.broadcast_shapes(*shapes))
-    except RuntimeError:
+    out = _broadcast_shape(*shapes)
+    if out is None:
         seen = ", ".join(f"{n} {s}" for n, s in zip(names, shapes, strict=True))
         raise ValueError(
             f"the {what} of query, key and value must broadcast (equal, or 1), got {seen}"
-        ) from None
+        )
+    return out
 
 
 def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool) -> torch.Tensor:
     """(..., X, Y) -> (B, heads, X, Y): a view, or a copy only when >1 batch dims must
     be broadcast and flattened."""
+    if has_heads and t.ndim == 4 and t.shape[:2] == (batch[0], heads):
+        return t  # already (B, heads, X, Y)
     if not has_heads:  # (X, Y) or (N, X, Y): no heads dim
         t = t.unsqueeze(-3)  # (.., 1, X, Y)
     t = t.reshape((1,) * (len(batch) + 3 - t.ndim) + tuple(t.shape))  # (*1s, h, X, Y)
@@ -117,19 +136,12 @@ def _normalize_mask(
     else:  # integer keep-mask, the listing's convention: nonzero takes part
         mask = mask != 0
     target = (*lead, L, S)
-    if mask.ndim > len(target) or _broadcast_or_none(_shape(mask), target) != target:
+    if mask.ndim > len(target) or _broadcast_shape(_shape(mask), target) != target:
         raise ValueError(
             f"mask of shape {_shape(mask)} does not broadcast to the weights' shape {target} "
             f"(..., L={L}, S={S}); a 2-D mask is (L, S), key padding is (B, 1, 1, S)"
         )
     return mask
-
-
-def _broadcast_or_none(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
-    try:
-        return tuple(torch.broadcast_shapes(a, b))
-    except RuntimeError:
-        return None
 
 
 def normalize(
@@ -153,8 +165,9 @@ def normalize(
     query = _check_tensor("query", query)
     key = _check_tensor("key", key)
     value = _check_tensor("value", value)
-    if torch.is_autocast_enabled(query.device.type):
-        query, key, value, mask = _autocast([query, key, value, mask], query.device.type)
+    device = query.device
+    if torch.is_autocast_enabled(device.type):
+        query, key, value, mask = _autocast([query, key, value, mask], device.type)
 
     if not query.is_floating_point():
         raise TypeError(
@@ -166,39 +179,41 @@ def normalize(
             f"query, key and value must have the same dtype, got query {query.dtype}, "
             f"key {key.dtype}, value {value.dtype}; cast them to one dtype"
         )
-    if key.device != query.device or value.device != query.device:
+    if key.device != device or value.device != device:
         raise ValueError(
-            f"query, key and value must be on one device, got query {query.device}, "
+            f"query, key and value must be on one device, got query {device}, "
             f"key {key.device}, value {value.device}"
         )
-    L, E = query.shape[-2:]
-    S = value.shape[-2]
-    if key.shape[-1] != E:
+    qs, ks, vs = _shape(query), _shape(key), _shape(value)
+    L, E = qs[-2:]
+    S = vs[-2]
+    if ks[-1] != E:
         raise ValueError(
-            f"query and key must have the same feature size E, got query {_shape(query)} "
-            f"(E={E}) and key {_shape(key)} (E={key.shape[-1]})"
+            f"query and key must have the same feature size E, got query {qs} "
+            f"(E={E}) and key {ks} (E={ks[-1]})"
         )
-    if key.shape[-2] != S:
+    if ks[-2] != S:
         raise ValueError(
-            f"key and value must have the same length S, got key {_shape(key)} "
-            f"(S={key.shape[-2]}) and value {_shape(value)} (S={S})"
+            f"key and value must have the same length S, got key {ks} "
+            f"(S={ks[-2]}) and value {vs} (S={S})"
         )
     if E == 0:
-        raise ValueError(f"query and key need at least one feature, got E=0 in {_shape(query)}")
+        raise ValueError(f"query and key need at least one feature, got E=0 in {qs}")
 
-    has_heads = max(query.ndim, key.ndim, value.ndim) >= 4
+    has_heads = max(len(qs), len(ks), len(vs)) >= 4
     if has_heads:  # (..., H, L, E): dim -3 is heads
-        names = ["query", "key", "value"]
-        batch = _broadcast(
-            "batch dims (all but the last 3)",
-            [_shape(t)[:-3] for t in (query, key, value)],
-            names,
-        )
-        hq, hk, hv = (t.shape[-3] if t.ndim >= 3 else 1 for t in (query, key, value))
+        batch = qs[:-3]
+        if ks[:-3] != batch or vs[:-3] != batch:
+            batch = _broadcast(
+                "batch dims (all but the last 3)",
+                [qs[:-3], ks[:-3], vs[:-3]],
+                ["query", "key", "value"],
+            )
+        hq, hk, hv = (s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs))
         if hk != hv and 1 not in (hk, hv):
             raise ValueError(
                 f"key and value must have the same number of heads (dim -3), got key "
-                f"{_shape(key)} ({hk} heads) and value {_shape(value)} ({hv} heads)"
+                f"{ks} ({hk} heads) and value {vs} ({hv} heads)"
             )
         hkv = max(hk, hv)
         if hq == 1:
@@ -206,8 +221,7 @@ def normalize(
         if hq % hkv:
             raise ValueError(
                 f"key/value heads must divide query heads (grouped-query attention), got "
-                f"{hq} query heads (query {_shape(query)}) and {hkv} key/value heads "
-                f"(key {_shape(key)})"
+                f"{hq} query heads (query {qs}) and {hkv} key/value heads (key {ks})"
             )
         if not gqa and hkv not in (1, hq):
             raise ValueError(
@@ -218,7 +232,7 @@ def normalize(
     else:  # (L, E) or (N, L, E): dim -3 is batch, never heads
         batch = _broadcast(
             "batch dim (dim -3 of 3-D inputs)",
-            [_shape(t)[:-2] for t in (query, key, value)],
+            [qs[:-2], ks[:-2], vs[:-2]],
             ["query", "key", "value"],
         )
         hq = hkv = 1

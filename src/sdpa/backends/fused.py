@@ -29,20 +29,26 @@ def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
 
 
+# torch's own Python binding is ~1.5 us faster per call than torch.ops dispatch
+_cpu_op = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None) or (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+)
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel silently misreads a last dim whose stride is not 1."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _cpu_kernel(inputs: Inputs, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    # the kernel silently misreads a last dim with stride != 1: give it stride 1
-    q, k, v = (
-        t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.query, inputs.key, inputs.value)
-    )
+    q, k, v = _unit_stride(inputs.query), _unit_stride(inputs.key), _unit_stride(inputs.value)
     E, Ev = q.shape[-1], v.shape[-1]
     if E < Ev:  # zero features add nothing to q.k
         q = F.pad(q, (0, Ev - E))  # (B, Hq, L, Ev)
         k = F.pad(k, (0, Ev - E))  # (B, Hkv, S, Ev)
     elif Ev < E:
         v = F.pad(v, (0, E - Ev))  # (B, Hkv, S, E)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale
-    )
+    out, lse = _cpu_op(q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale)
     if Ev < E:
         out = out[..., :Ev]  # (B, Hq, L, Ev)
     return out, lse
