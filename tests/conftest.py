@@ -59,3 +59,12 @@ def make_inputs(
     k = randn(gen, B, Hkv, S, E, dtype=dtype)
     v = randn(gen, B, Hkv, S, Ev, dtype=dtype)
     return q, k, v, make_mask(gen, mask_kind, B, Hq, L, S)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import sdpa
 from sdpa.backends import BACKENDS, PRIORITY, Backend, NotSupportedError, select
@@ -52,3 +53,22 @@ def test_explicit_backend_raises_with_its_reasons(gen):
 
 def test_not_supported_is_a_value_error():
     assert issubclass(NotSupportedError, ValueError)
+
+
+def test_fused_names_the_devices_it_runs_on(gen):
+    q, k, v = (t.to("meta") for t in make_inputs(gen)[:3])
+    with pytest.raises(
+        NotSupportedError, match=r"inputs on meta \(the fused backend runs on: cpu\)"
+    ):
+        sdpa.attention(q, k, v, backend="fused")
+
+
+@pytest.mark.cuda
+def test_cuda_inputs_match_the_oracle(gen):
+    from oracle import oracle
+
+    q, k, v, mask = make_inputs(gen, L=33, S=47, mask_kind="bool")
+    out, w = sdpa.attention(q.cuda(), k.cuda(), v.cuda(), mask.cuda())
+    ref_out, ref_p = oracle(q, k, v, mask)
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=1e-4, rtol=0)
+    torch.testing.assert_close(w.full().cpu().double(), ref_p, atol=1e-4, rtol=0)

@@ -7,8 +7,8 @@ from typing import NamedTuple
 import torch
 
 from sdpa.backends import select
-from sdpa.inputs import Inputs, normalize
-from sdpa.weights import AttentionWeights, _no_autocast
+from sdpa.inputs import Inputs, no_autocast, normalize
+from sdpa.weights import AttentionWeights
 
 
 class AttentionResult(NamedTuple):
@@ -21,7 +21,7 @@ class AttentionResult(NamedTuple):
 def _forward(inputs: Inputs, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the chosen backend; output reshaped to (*lead, L, Ev), lse kept (B, Hq, L)."""
     impl = select(inputs, backend)
-    with _no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
+    with no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
         out, lse = impl.forward(inputs)
     if len(inputs.lead) != 2:  # (B, Hq, L, Ev) -> (*lead, L, Ev)
         out = out.reshape(*inputs.lead, *out.shape[-2:])

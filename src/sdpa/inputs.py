@@ -16,6 +16,7 @@ the output (*lead, L, Ev).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -59,6 +60,21 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
             f"{name} must have at least 2 dims (..., length, features), got shape {_shape(t)}"
         )
     return t
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """torch.is_autocast_enabled, False for device types autocast does not know (meta)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off inside (sdpa applies torch's autocast casting once, at the entry)."""
+    if autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _autocast(tensors: list[torch.Tensor | None], device_type: str) -> list[torch.Tensor | None]:
@@ -166,7 +182,7 @@ def normalize(
     key = _check_tensor("key", key)
     value = _check_tensor("value", value)
     device = query.device
-    if torch.is_autocast_enabled(device.type):
+    if autocast_enabled(device.type):
         query, key, value, mask = _autocast([query, key, value, mask], device.type)
 
     if not query.is_floating_point():

@@ -7,11 +7,13 @@ one GEMM and one exp, no second softmax, and nothing L x S is kept between calls
 
 from __future__ import annotations
 
-import contextlib
+import math
 
 import torch
 
-from sdpa.inputs import Inputs
+from sdpa.inputs import Inputs, no_autocast
+
+LOG2E = 1.0 / math.log(2.0)
 
 
 class StaleWeightsError(RuntimeError):
@@ -21,12 +23,6 @@ class StaleWeightsError(RuntimeError):
 def _version(t: torch.Tensor | None) -> int | None:
     # inference tensors carry no version counter: they cannot be checked
     return None if t is None or t.is_inference() else t._version
-
-
-def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 class AttentionWeights:
@@ -93,13 +89,14 @@ class AttentionWeights:
     def full(self) -> torch.Tensor:
         """The dense weights, (*lead, L, S): exp(scores - lse) in one GEMM-and-exp pass."""
         self._check_fresh()
-        with torch.no_grad(), _no_autocast(self.device.type):
+        with torch.no_grad(), no_autocast(self.device.type):
             return self._rows(0, self._inputs.query.shape[-2]).reshape(self.shape)
 
     def _rows(self, start: int, stop: int) -> torch.Tensor:
         """Weights of query rows [start, stop): (B, Hq, stop - start, S), compute dtype.
 
-        The LSE is folded into the GEMM: [scale*q_i, -lse_i] . [k_j, 1] = s_ij - lse_i.
+        The LSE is folded into the GEMM, in base 2 (exp2 runs ~3x faster than exp on CPU):
+        [c*scale*q_i, -c*lse_i] . [k_j, 1] = c*(s_ij - lse_i), c = log2(e).
         """
         i = self._inputs
         q, k, cd = i.query, i.key, i.compute_dtype
@@ -107,7 +104,10 @@ class AttentionWeights:
         Hkv, S = k.shape[1], k.shape[2]
         n, group = stop - start, Hq // Hkv
         q_aug = torch.cat(
-            [q[:, :, start:stop].to(cd) * i.scale, -self._lse[:, :, start:stop, None].to(cd)],
+            [
+                q[:, :, start:stop].to(cd) * (i.scale * LOG2E),
+                self._lse[:, :, start:stop, None].to(cd) * -LOG2E,
+            ],
             dim=-1,
         )  # (B, Hq, n, E+1)
         k_aug = torch.cat([k.to(cd), k.new_ones(B, Hkv, S, 1, dtype=cd)], dim=-1)  # (B,Hkv,S,E+1)
@@ -116,8 +116,8 @@ class AttentionWeights:
         w = w.view(B, Hq, n, S)  # (B, Hq, n, S)
         mask = None if i.mask is None else i.mask[:, :, start:stop]  # (B|1, Hq|1, n, S)
         if mask is not None and mask.dtype != torch.bool:
-            w.add_(mask)
-        w.exp_()
+            w.add_(mask, alpha=LOG2E)
+        w.exp2_()
         if i.causal:  # top-left: row r sees keys j <= r
             rows = torch.arange(start, stop, device=w.device)[:, None]
             w.masked_fill_(torch.arange(S, device=w.device) > rows, 0.0)
