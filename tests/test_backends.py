@@ -72,3 +72,13 @@ def test_cuda_inputs_match_the_oracle(gen):
     ref_out, ref_p = oracle(q, k, v, mask)
     torch.testing.assert_close(out.cpu().double(), ref_out, atol=1e-4, rtol=0)
     torch.testing.assert_close(w.full().cpu().double(), ref_p, atol=1e-4, rtol=0)
+
+
+def test_bool_mask_converts_only_its_distinct_entries():
+    """A (B, 1, 1, S) key-padding mask must not become an O(B*H*L*S) float tensor."""
+    from sdpa.backends.fused import _float_mask
+
+    keep = (torch.arange(9) < torch.tensor([[5], [9]])).view(2, 1, 1, 9).expand(2, 3, 7, 9)
+    bias = _float_mask(keep, torch.float32)
+    assert bias.stride() == (9, 0, 0, 1) and bias.shape == keep.shape
+    assert torch.equal(bias == 0, keep)

@@ -23,10 +23,17 @@ Kernel = Callable[[Inputs, torch.Tensor | None], tuple[torch.Tensor, torch.Tenso
 
 
 def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Keep-mask (bool) -> additive 0/-inf in `dtype`; float masks pass through."""
+    """Keep-mask (bool) -> additive 0/-inf in `dtype`; float masks pass through.
+
+    Converts only the distinct entries: broadcast (stride-0) dims stay broadcast, so a
+    (B, 1, 1, S) key-padding mask costs O(B*S), not O(B*L*S).
+    """
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+    distinct = [1 if st == 0 else n for n, st in zip(mask.shape, mask.stride(), strict=True)]
+    base = mask.as_strided(distinct, mask.stride())  # the entries the view repeats
+    bias = torch.zeros(distinct, dtype=dtype, device=mask.device).masked_fill_(~base, -torch.inf)
+    return bias.expand(mask.shape)
 
 
 # torch's own Python binding is ~1.5 us faster per call than torch.ops dispatch
