@@ -92,3 +92,15 @@ def test_superset_integer_keep_mask(gen):
     q, k, v, mask = make_inputs(gen, mask_kind="bool")
     ours = sdpa.scaled_dot_product_attention(q, k, v, mask.to(torch.int32))
     torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, mask))
+
+
+def test_3d_inputs_with_enable_gqa_read_dim_minus_3_as_heads(gen):
+    same_as_torch(randn(gen, 4, 5, 8), randn(gen, 2, 7, 8), randn(gen, 2, 7, 8), enable_gqa=True)
+
+
+@pytest.mark.parametrize("scale", [True, float("inf"), 0.5])
+def test_any_scale_torch_accepts(gen, scale):
+    q, k, v, _ = make_inputs(gen)
+    ours = sdpa.scaled_dot_product_attention(q, k, v, scale=scale)
+    theirs = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0, equal_nan=True)

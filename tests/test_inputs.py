@@ -97,6 +97,23 @@ def test_mask_does_not_broadcast(qkv):
     refuses(ValueError, r"does not broadcast", q, k, v, torch.ones(1, 2, 3, 5, 7))
 
 
+def test_key_padding_hint_fits_the_inputs(gen):
+    q, k, v = (randn(gen, 2, n, 8) for n in (5, 7, 7))  # 3-D: (N, L, E)
+    refuses(
+        ValueError,
+        r"key padding is \(N, 1, S\) for 3-D inputs",
+        q,
+        k,
+        v,
+        torch.ones(2, 1, 1, 7, dtype=torch.bool),
+    )
+
+
+def test_mask_type_is_checked_before_autocast(qkv):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        refuses(TypeError, r"mask must be None or a torch.Tensor .* got list", *qkv, [[True]])
+
+
 def test_complex_mask(qkv):
     q, k, v = qkv
     refuses(
@@ -162,7 +179,8 @@ def test_causal_needs_square(qkv):
     refuses(
         ValueError,
         r"causal=True needs as many queries as keys, got L=5 and S=7.*"
-        r"sdpa.masks.causal\(align='bottom-right'\).*tril\(S - L\)",
+        r"bottom-right .* is torch.ones\(L, S, dtype=torch.bool\).tril\(S - L\); "
+        r"top-left \(torch's is_causal\) is .tril\(\)",
         q,
         k,
         v,
@@ -170,9 +188,17 @@ def test_causal_needs_square(qkv):
     )
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1", True])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1", True, torch.ones(2)])
 def test_bad_scale(qkv, scale):
     refuses(ValueError, r"scale must be a finite number or None", *qkv, scale=scale)
+
+
+def test_scale_may_be_a_numpy_scalar_or_0d_tensor(qkv):
+    import numpy as np
+
+    ref = sdpa.attention(*qkv, scale=0.5).output
+    for scale in (np.float32(0.5), torch.tensor(0.5)):
+        torch.testing.assert_close(sdpa.attention(*qkv, scale=scale).output, ref)
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.5, "0.1"])

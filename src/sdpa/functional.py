@@ -91,9 +91,16 @@ def scaled_dot_product_attention(
             "an error. AND the causal mask into attn_mask yourself, or use "
             "sdpa.attention(q, k, v, mask, causal=True)"
         )
+    # torch reads dim -3 of 3-D inputs as heads when enable_gqa=True
+    heads_3d = enable_gqa and all(
+        isinstance(t, torch.Tensor) and t.ndim == 3 for t in (query, key, value)
+    )
+    if heads_3d:
+        query, key, value = query[None], key[None], value[None]  # (1, H, L|S, E)
     inputs = normalize(
         query, key, value, attn_mask,
         causal=is_causal, scale=scale, dropout_p=dropout_p,
-        causal_square_only=False, gqa=enable_gqa,
+        torch_semantics=True, gqa=enable_gqa,
     )  # fmt: skip
-    return _forward(inputs, "auto")[0]
+    out = _forward(inputs, "auto")[0]
+    return out[0] if heads_3d else out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -119,7 +120,7 @@ def _broadcast(what: str, shapes: list[tuple[int, ...]], names: list[str]) -> tu
 def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool) -> torch.Tensor:
     """(..., X, Y) -> (B, heads, X, Y): a view, or a copy only when >1 batch dims must
     be broadcast and flattened."""
-    if has_heads and t.ndim == 4 and t.shape[:2] == (batch[0], heads):
+    if has_heads and t.ndim == 4 and len(batch) == 1 and t.shape[:2] == (batch[0], heads):
         return t  # already (B, heads, X, Y)
     if not has_heads:  # (X, Y) or (N, X, Y): no heads dim
         t = t.unsqueeze(-3)  # (.., 1, X, Y)
@@ -130,14 +131,17 @@ def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool)
     return t
 
 
-def _normalize_mask(
-    mask: object, query: torch.Tensor, lead: tuple[int, ...], L: int, S: int
-) -> torch.Tensor:
-    if not isinstance(mask, torch.Tensor):
+def _check_mask_type(mask: object) -> None:
+    if mask is not None and not isinstance(mask, torch.Tensor):
         raise TypeError(
             f"mask must be None or a torch.Tensor (bool/int: nonzero takes part; float: added "
             f"to the scores), got {type(mask).__name__}"
         )
+
+
+def _normalize_mask(
+    mask: torch.Tensor, query: torch.Tensor, lead: tuple[int, ...], L: int, S: int
+) -> torch.Tensor:
     if mask.device != query.device:
         raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
     if mask.dtype == torch.bool:
@@ -155,9 +159,21 @@ def _normalize_mask(
     if mask.ndim > len(target) or _broadcast_shape(_shape(mask), target) != target:
         raise ValueError(
             f"mask of shape {_shape(mask)} does not broadcast to the weights' shape {target} "
-            f"(..., L={L}, S={S}); a 2-D mask is (L, S), key padding is (B, 1, 1, S)"
+            f"(..., L={L}, S={S}); a 2-D mask is (L, S), key padding is "
+            f"{'(B, 1, 1, S)' if len(lead) >= 2 else '(N, 1, S) for 3-D inputs'}"
         )
     return mask
+
+
+def _check_scale(scale: object, E: int, torch_semantics: bool) -> float:
+    """1/sqrt(E) for None; else a real number (a 0-d tensor or numpy scalar will do)."""
+    if scale is None:
+        return 1.0 / math.sqrt(E)
+    if isinstance(scale, numbers.Real) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
+        value = float(scale)
+        if torch_semantics or (not isinstance(scale, bool) and math.isfinite(value)):
+            return value
+    raise ValueError(f"scale must be a finite number or None (1/sqrt(E)), got {scale!r}")
 
 
 def normalize(
@@ -169,18 +185,20 @@ def normalize(
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    causal_square_only: bool = True,
+    torch_semantics: bool = False,
     gqa: bool = True,
 ) -> Inputs:
     """Validate the arguments of an attention call and lay them out as `Inputs`.
 
-    causal_square_only: refuse causal with L != S (`attention`); the drop-in passes
-    False and gets torch's top-left alignment. gqa: allow Hkv < Hq (the drop-in's
-    enable_gqa); Hkv == 1 always broadcasts.
+    torch_semantics: the drop-in's rules where torch is laxer than `attention`: causal
+    with L != S is top-left instead of refused, and `scale` may be any real number
+    (bool, inf and nan included). gqa: allow Hkv < Hq (the drop-in's enable_gqa);
+    Hkv == 1 always broadcasts.
     """
     query = _check_tensor("query", query)
     key = _check_tensor("key", key)
     value = _check_tensor("value", value)
+    _check_mask_type(mask)
     device = query.device
     if autocast_enabled(device.type):
         query, key, value, mask = _autocast([query, key, value, mask], device.type)
@@ -256,18 +274,14 @@ def normalize(
 
     if mask is not None:
         mask = _normalize_mask(mask, query, lead, L, S)
-    if causal and causal_square_only and L != S:
+    if causal and not torch_semantics and L != S:
         raise ValueError(
             f"causal=True needs as many queries as keys, got L={L} and S={S}: for L != S "
-            f"the alignment is ambiguous. Pass the mask you mean instead: "
-            f"sdpa.masks.causal(align='bottom-right') (KV-cache decoding, FlashAttention) or "
-            f"align='top-left' (torch's is_causal); as a tensor, "
-            f"torch.ones(L, S, dtype=torch.bool).tril(S - L) is bottom-right"
+            f"the alignment is ambiguous. Pass the mask you mean instead: bottom-right "
+            f"(KV-cache decoding, FlashAttention) is torch.ones(L, S, dtype=torch.bool)"
+            f".tril(S - L); top-left (torch's is_causal) is .tril()"
         )
-    if scale is None:
-        scale = 1.0 / math.sqrt(E)
-    elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number or None (1/sqrt(E)), got {scale!r}")
+    scale = _check_scale(scale, E, torch_semantics)
     if (
         isinstance(dropout_p, bool)
         or not isinstance(dropout_p, int | float)

@@ -14,6 +14,10 @@ import torch
 from sdpa.inputs import Inputs, no_autocast
 
 LOG2E = 1.0 / math.log(2.0)
+# Rows whose |lse| exceeds this are recomputed as a plain softmax of their scores: there a
+# float32 LSE has lost digits (rows masked with a large finite bias such as -1e9 or
+# torch.finfo(dtype).min, or scores in the hundreds), so exp(s - lse) would be off.
+EXACT_LSE_LIMIT = 32.0
 
 
 class StaleWeightsError(RuntimeError):
@@ -93,34 +97,67 @@ class AttentionWeights:
             return self._rows(0, self._inputs.query.shape[-2]).reshape(self.shape)
 
     def _rows(self, start: int, stop: int) -> torch.Tensor:
-        """Weights of query rows [start, stop): (B, Hq, stop - start, S), compute dtype.
+        """Weights of query rows [start, stop): (B, Hq, stop - start, S), compute dtype."""
+        w = self._rows_from_lse(start, stop)
+        inexact = self._lse[:, :, start:stop].abs() > EXACT_LSE_LIMIT  # (B, Hq, n)
+        if inexact.any():
+            w = torch.where(inexact[..., None], self._rows_by_softmax(start, stop), w)
+        return w
 
-        The LSE is folded into the GEMM, in base 2 (exp2 runs ~3x faster than exp on CPU):
-        [c*scale*q_i, -c*lse_i] . [k_j, 1] = c*(s_ij - lse_i), c = log2(e).
+    def _rows_from_lse(self, start: int, stop: int) -> torch.Tensor:
+        """exp(s - lse) with the LSE folded into the GEMM, in base 2 (exp2 runs ~3x faster
+        than exp on CPU): [c*scale*q_i, -c*lse_i] . [k_j, 1] = c*(s_ij - lse_i), c = log2(e).
         """
         i = self._inputs
-        q, k, cd = i.query, i.key, i.compute_dtype
-        B, Hq, _, E = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
-        n, group = stop - start, Hq // Hkv
+        cd = i.compute_dtype
+        k = i.key.to(cd)
         q_aug = torch.cat(
             [
-                q[:, :, start:stop].to(cd) * (i.scale * LOG2E),
+                i.query[:, :, start:stop].to(cd) * (i.scale * LOG2E),
                 self._lse[:, :, start:stop, None].to(cd) * -LOG2E,
             ],
             dim=-1,
         )  # (B, Hq, n, E+1)
-        k_aug = torch.cat([k.to(cd), k.new_ones(B, Hkv, S, 1, dtype=cd)], dim=-1)  # (B,Hkv,S,E+1)
-        # query heads h*group .. h*group+group-1 share key head h: fold them into rows
-        w = torch.matmul(q_aug.reshape(B, Hkv, group * n, E + 1), k_aug.transpose(-2, -1))
-        w = w.view(B, Hq, n, S)  # (B, Hq, n, S)
-        mask = None if i.mask is None else i.mask[:, :, start:stop]  # (B|1, Hq|1, n, S)
+        k_aug = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hkv, S, E+1)
+        w = _grouped_scores(q_aug, k_aug)  # (B, Hq, n, S)
+        mask = self._mask_rows(start, stop)
         if mask is not None and mask.dtype != torch.bool:
             w.add_(mask, alpha=LOG2E)
         w.exp2_()
-        if i.causal:  # top-left: row r sees keys j <= r
-            rows = torch.arange(start, stop, device=w.device)[:, None]
-            w.masked_fill_(torch.arange(S, device=w.device) > rows, 0.0)
+        return self._keep_only(w, mask, start, fill=0.0)
+
+    def _rows_by_softmax(self, start: int, stop: int) -> torch.Tensor:
+        """A plain float softmax of the scores: exact where the LSE is not."""
+        i = self._inputs
+        cd = i.compute_dtype
+        s = _grouped_scores(i.query[:, :, start:stop].to(cd), i.key.to(cd)).mul_(i.scale)
+        mask = self._mask_rows(start, stop)
+        if mask is not None and mask.dtype != torch.bool:
+            s.add_(mask)
+        s = self._keep_only(s, mask, start, fill=-torch.inf)
+        return torch.softmax(s, dim=-1).nan_to_num_(0.0)  # rows that see no key: 0
+
+    def _mask_rows(self, start: int, stop: int) -> torch.Tensor | None:
+        mask = self._inputs.mask
+        return None if mask is None else mask[:, :, start:stop]  # (B|1, Hq|1, n, S)
+
+    def _keep_only(
+        self, w: torch.Tensor, mask: torch.Tensor | None, start: int, fill: float
+    ) -> torch.Tensor:
+        """Write `fill` where causality or a bool mask excludes a key, in place."""
+        n, S = w.shape[-2:]
+        if self._inputs.causal:  # top-left: row r sees keys j <= r
+            rows = torch.arange(start, start + n, device=w.device)[:, None]
+            w.masked_fill_(torch.arange(S, device=w.device) > rows, fill)
         if mask is not None and mask.dtype == torch.bool:
-            w.masked_fill_(~mask, 0.0)
+            w.masked_fill_(~mask, fill)
         return w
+
+
+def _grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q (B, Hq, n, D) @ k (B, Hkv, S, D)^T -> (B, Hq, n, S) with query head h on key head
+    h // (Hq // Hkv): the heads sharing a key head are folded into rows, no copy of k."""
+    B, Hq, n, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    w = torch.matmul(q.reshape(B, Hkv, Hq // Hkv * n, D), k.transpose(-2, -1))
+    return w.view(B, Hq, n, S)

@@ -76,6 +76,12 @@ class Fused(Backend):
             reasons.append(
                 f"dropout_p={inputs.dropout_p} > 0 on CPU (torch's fused CPU kernel has no dropout)"
             )
+        mask = inputs.mask
+        if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+            reasons.append(
+                "a float mask that requires grad (torch's fused kernel has no gradient for "
+                "attn_mask)"
+            )
         if 0 in inputs.query.shape or 0 in inputs.key.shape or 0 in inputs.value.shape:
             reasons.append("an empty dimension (B, H, L, S or a head size is 0)")
         return reasons
