@@ -145,6 +145,28 @@ def _format(row: dict) -> str:
     )
 
 
+def markdown(results: list[dict]) -> str:
+    """The README's table: one line per comparison (ours beside its peer)."""
+    peers = {(r["case"], r["dtype"], r["impl"]): r for r in results if r["peer"] is None}
+    lines = [
+        "| case (B, H, L, E) | dtype | ours | peer | ours ms | peer ms | ratio | target "
+        "| peak MiB ours / peer |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r["peer"] is None:
+            continue
+        p = peers[(r["case"], r["dtype"], r["peer"])]
+        missed = "" if r["ratio"] <= r["target"] else " (missed)"
+        mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f} / {p['peak_mib']:.0f}"
+        lines.append(
+            f"| {r['case']} {tuple(r['shape'])} | {r['dtype']} | `{r['impl']}` | `{r['peer']}` "
+            f"| {r['median_ms']:.3g} | {p['median_ms']:.3g} | {r['ratio']:.3f} "
+            f"| <= {r['target']}{missed} | {mem} |"
+        )
+    return "\n".join(lines)
+
+
 def environment() -> dict:
     cpu = platform.processor()
     try:
@@ -168,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
     parser.add_argument("--json", help="write results and environment here")
+    parser.add_argument("--markdown", help="print the table of an earlier --json run and exit")
     parser.add_argument(
         "--peak", nargs=3, metavar=("CASE", "DTYPE", "IMPL"), help=argparse.SUPPRESS
     )
@@ -175,9 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak:
         _measure_peak(*args.peak)
         return 0
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)["results"]))
+        return 0
     env = environment()
     print(f"environment: {env}")
     results = run(args.quick, memory=not args.no_memory)
+    print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "results": results}, f, indent=2)
