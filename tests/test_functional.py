@@ -282,7 +282,8 @@ def test_weights_of_large_scores_are_as_exact_as_the_listings(gen, backend, scal
     w = sdpa.attention(q, k, v, scale=scale, backend=backend).weights
     ref_p = oracle(q, k, v, scale=scale)[1]
     listing_err = (torch.softmax(q @ k.mT * scale, -1).double() - ref_p).abs().max()
-    assert (w.full().double() - ref_p).abs().max() <= 2 * listing_err + 1e-6
+    # rows under the exact-LSE limit keep the usual float32 bound, 2e-5
+    assert (w.full().double() - ref_p).abs().max() <= max(2 * listing_err, 2e-5)
 
 
 def test_float_mask_with_grad_is_served_and_differentiated(gen):
