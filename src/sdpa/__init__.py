@@ -2,14 +2,16 @@
 
 from sdpa.backends import NotSupportedError
 from sdpa.functional import AttentionResult, attention, scaled_dot_product_attention
-from sdpa.nn import PositionalEncoding
+from sdpa.nn import MultiHeadAttention, PositionalEncoding, SpatialSelfAttention
 from sdpa.weights import AttentionWeights, StaleWeightsError
 
 __all__ = [
     "AttentionResult",
     "AttentionWeights",
+    "MultiHeadAttention",
     "NotSupportedError",
     "PositionalEncoding",
+    "SpatialSelfAttention",
     "StaleWeightsError",
     "attention",
     "scaled_dot_product_attention",

@@ -1,0 +1,172 @@
+"""Multi-head attention: learned projections around sdpa.attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sdpa.functional import AttentionResult, attention
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention whose forward returns the output and lazy weights.
+
+    Shapes: query (B, L, d_model), key/value (B, S, d_model) (default: the query, i.e.
+    self-attention) -> output (B, L, d_model), weights (B, num_heads, L, S). Batch-first.
+
+    d_model is split into num_heads heads of d_model // num_heads (the seed: 8 heads of
+    32 over 256). kv_heads < num_heads gives grouped-query attention: key/value are
+    projected to kv_heads heads, query head h uses key/value head h // (num_heads //
+    kv_heads). Dropout on the weights applies in training mode only.
+
+    mask broadcasts to (B, num_heads, L, S): True/nonzero = takes part, float = added;
+    key padding is (B, 1, 1, S), a 2-D mask is (L, S). causal=True needs L == S.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        kv_heads: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ):
+        super().__init__()
+        kv_heads = num_heads if kv_heads is None else kv_heads
+        if num_heads < 1 or d_model % num_heads:
+            raise ValueError(
+                f"d_model must split into num_heads equal heads, got d_model={d_model} and "
+                f"num_heads={num_heads}; pick num_heads dividing d_model"
+            )
+        if kv_heads < 1 or num_heads % kv_heads:
+            raise ValueError(
+                f"kv_heads must divide num_heads (grouped-query attention), got "
+                f"kv_heads={kv_heads} and num_heads={num_heads}"
+            )
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout}")
+        self.d_model, self.num_heads, self.kv_heads = d_model, num_heads, kv_heads
+        self.head_dim = d_model // num_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, kv_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        *,
+        causal: bool = False,
+    ) -> AttentionResult:
+        key = query if key is None else key
+        value = key if value is None else value
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.ndim != 3 or t.shape[-1] != self.d_model:
+                seen = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{name} must be (B, length, d_model={self.d_model}), got {seen}; add a "
+                    f"batch dim to a single sequence with x[None]"
+                )
+        B, L, _ = query.shape
+        S = key.shape[1]
+        q = self.q_proj(query).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(key).view(key.shape[0], S, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(value).view(value.shape[0], S, self.kv_heads, self.head_dim)
+        v = v.transpose(1, 2)  # (B, Hkv, S, D); q (B, H, L, D), k (B, Hkv, S, D)
+        out, weights = attention(
+            q, k, v, mask, causal=causal, dropout_p=self.dropout if self.training else 0.0
+        )
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.d_model))  # (B, L, d_model)
+        return AttentionResult(out, weights)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A MultiHeadAttention with the weights of a torch.nn.MultiheadAttention.
+
+        Ours is always batch-first: call it with (B, L, d_model) whatever the source's
+        batch_first. torch's masks say True = *ignore*; ours say True = *takes part*:
+        convert them once, at this edge, with `mask_from_torch`.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module)}")
+        if not module._qkv_same_embed_dim:
+            raise ValueError(
+                f"kdim/vdim different from embed_dim ({module.kdim}, {module.vdim} vs "
+                f"{module.embed_dim}) are not supported: key and value must be d_model wide"
+            )
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn are not supported")
+        ours = cls(
+            module.embed_dim,
+            module.num_heads,
+            dropout=module.dropout,
+            bias=module.in_proj_bias is not None,
+        )
+        ref = module.in_proj_weight
+        ours = ours.to(device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            for proj, w in zip(
+                (ours.q_proj, ours.k_proj, ours.v_proj), module.in_proj_weight.chunk(3), strict=True
+            ):
+                proj.weight.copy_(w)
+            if module.in_proj_bias is not None:
+                for proj, b in zip(
+                    (ours.q_proj, ours.k_proj, ours.v_proj),
+                    module.in_proj_bias.chunk(3),
+                    strict=True,
+                ):
+                    proj.bias.copy_(b)
+            ours.out_proj.weight.copy_(module.out_proj.weight)
+            if module.out_proj.bias is not None:
+                ours.out_proj.bias.copy_(module.out_proj.bias)
+        return ours.train(module.training)
+
+    @staticmethod
+    def mask_from_torch(
+        attn_mask: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        *,
+        num_heads: int | None = None,
+    ) -> torch.Tensor | None:
+        """torch.nn.MultiheadAttention's masks as one sdpa mask, (B|1, H|1, L|1, S).
+
+        torch's bool masks mean True = ignore; ours mean True = takes part, so bools are
+        inverted here and nowhere else. Float masks are added in both conventions.
+        attn_mask: (L, S), or (B * num_heads, L, S) (then num_heads is needed);
+        key_padding_mask: (B, S).
+        """
+        parts = []
+        if attn_mask is not None:
+            if attn_mask.ndim == 3:
+                if num_heads is None:
+                    raise ValueError(
+                        f"a 3-D attn_mask {tuple(attn_mask.shape)} is (B * num_heads, L, S): "
+                        f"pass num_heads to split it"
+                    )
+                attn_mask = attn_mask.view(-1, num_heads, *attn_mask.shape[-2:])  # (B,H,L,S)
+            parts.append(attn_mask)
+        if key_padding_mask is not None:
+            parts.append(key_padding_mask[:, None, None, :])  # (B, 1, 1, S)
+        if not parts:
+            return None
+        if all(p.dtype == torch.bool for p in parts):
+            keep = ~parts[0]
+            for p in parts[1:]:
+                keep = keep & ~p
+            return keep
+        bias = None
+        for p in parts:
+            p = (
+                torch.zeros(p.shape, dtype=torch.float32, device=p.device).masked_fill_(
+                    p, -torch.inf
+                )
+                if p.dtype == torch.bool
+                else p
+            )
+            bias = p if bias is None else bias + p
+        return bias

@@ -1,0 +1,137 @@
+"""MultiHeadAttention: reproduces torch.nn.MultiheadAttention, and gives its weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sdpa import MultiHeadAttention
+
+from oracle import oracle
+
+mask_from_torch = MultiHeadAttention.mask_from_torch
+
+
+def torch_pair(gen, d_model=64, heads=4, dropout=0.0, bias=True):
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    ref = nn.MultiheadAttention(d_model, heads, dropout=dropout, bias=bias, batch_first=True)
+    return ref.eval(), MultiHeadAttention.from_torch(ref).eval()
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_torch_reproduces_outputs_and_per_head_weights(gen, cross, bias):
+    ref, ours = torch_pair(gen, bias=bias)
+    x = torch.randn(3, 11, 64, generator=gen)
+    mem = torch.randn(3, 17, 64, generator=gen) if cross else x
+    S = mem.shape[1]
+    padding = torch.arange(S) >= torch.tensor([[S], [S - 4], [5]])  # torch: True = ignore
+    ref_out, ref_w = ref(x, mem, mem, key_padding_mask=padding, average_attn_weights=False)
+    out, w = ours(x, mem, mem, mask_from_torch(key_padding_mask=padding))
+    assert out.shape == (3, 11, 64) and w.shape == (3, 4, 11, S)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w.full(), ref_w, atol=1e-5, rtol=0)
+
+
+def test_torch_attn_mask_and_padding_combine(gen):
+    ref, ours = torch_pair(gen)
+    x = torch.randn(2, 9, 64, generator=gen)
+    causal_ignore = torch.ones(9, 9, dtype=torch.bool).triu(1)  # torch: True = ignore
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[1, 7:] = True
+    ref_out, ref_w = ref(
+        x, x, x, attn_mask=causal_ignore, key_padding_mask=padding, average_attn_weights=False
+    )
+    out, w = ours(x, mask=mask_from_torch(causal_ignore, padding))
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w.full(), ref_w, atol=1e-5, rtol=0)
+    float_bias = torch.randn(2 * 4, 9, 9, generator=gen)  # (B * num_heads, L, S), added
+    pad_bias = torch.zeros(2, 9).masked_fill(padding, -torch.inf)  # torch wants one type
+    ref_out, _ = ref(x, x, x, attn_mask=float_bias, key_padding_mask=pad_bias)
+    out, _ = ours(x, mask=mask_from_torch(float_bias, padding, num_heads=4))
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+
+
+def test_mask_polarity_is_converted_only_at_the_torch_edge():
+    ignore = torch.tensor([[False, True]])
+    assert torch.equal(mask_from_torch(key_padding_mask=ignore), ~ignore[:, None, None, :])
+    assert mask_from_torch() is None
+    with pytest.raises(ValueError, match=r"pass num_heads to split it"):
+        mask_from_torch(torch.zeros(8, 3, 3))
+
+
+def test_matches_oracle_with_gqa_and_causal(gen):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(48, 6, kv_heads=2).eval()
+    x = torch.randn(2, 13, 48, generator=gen)
+    out, w = m(x, causal=True)
+    D = 8
+    q = m.q_proj(x).view(2, 13, 6, D).transpose(1, 2)
+    k = m.k_proj(x).view(2, 13, 2, D).transpose(1, 2)
+    v = m.v_proj(x).view(2, 13, 2, D).transpose(1, 2)
+    ref_out, ref_p = oracle(q.detach(), k.detach(), v.detach(), causal=True)
+    ref_out = m.out_proj(ref_out.float().transpose(1, 2).reshape(2, 13, 48))
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w.full().double(), ref_p, atol=2e-5, rtol=0)
+    assert m.k_proj.out_features == 16  # key/value projected to kv_heads heads only
+
+
+def test_gradients_flow_to_every_parameter(gen):
+    m = MultiHeadAttention(32, 4)
+    x = torch.randn(2, 7, 32, generator=gen, requires_grad=True)
+    m(x).output.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_dropout_only_in_training(gen):
+    m = MultiHeadAttention(32, 4, dropout=0.5)
+    x = torch.randn(2, 7, 32, generator=gen)
+    m.eval()
+    a, b = m(x).output, m(x).output
+    assert torch.equal(a, b)
+    m.train()
+    c, d = m(x).output, m(x).output
+    assert not torch.allclose(c, d)
+    # weights are the probabilities before dropout, in both modes
+    torch.testing.assert_close(m(x).weights.full(), m.eval()(x).weights.full())
+
+
+def test_from_torch_keeps_training_mode_dtype_and_dropout():
+    ref = nn.MultiheadAttention(16, 2, dropout=0.25, batch_first=True).double()
+    ours = MultiHeadAttention.from_torch(ref)
+    assert ours.training and ours.dropout == 0.25 and ours.q_proj.weight.dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    "make,exc,pattern",
+    [
+        (lambda: MultiHeadAttention(30, 4), ValueError, r"d_model=30 and num_heads=4"),
+        (lambda: MultiHeadAttention(32, 4, kv_heads=3), ValueError, r"kv_heads=3 and num_heads=4"),
+        (lambda: MultiHeadAttention(32, 4, dropout=2.0), ValueError, r"dropout must be"),
+        (lambda: MultiHeadAttention.from_torch(nn.Linear(2, 2)), TypeError, r"MultiheadAttention"),
+        (
+            lambda: MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, kdim=4)),
+            ValueError,
+            r"kdim/vdim",
+        ),
+        (
+            lambda: MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True)),
+            ValueError,
+            r"add_bias_kv",
+        ),
+    ],
+)
+def test_construction_refusals(make, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        make()
+
+
+def test_call_refusals():
+    m = MultiHeadAttention(32, 4)
+    with pytest.raises(ValueError, match=r"query must be \(B, length, d_model=32\), got \(7, 32\)"):
+        m(torch.randn(7, 32))
+    with pytest.raises(ValueError, match=r"key must be .* got \(1, 7, 16\)"):
+        m(torch.randn(1, 7, 32), torch.randn(1, 7, 16))
