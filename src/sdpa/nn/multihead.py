@@ -74,15 +74,26 @@ class MultiHeadAttention(nn.Module):
                 )
         B, L, _ = query.shape
         S = key.shape[1]
-        q = self.q_proj(query).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(key).view(key.shape[0], S, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(value).view(value.shape[0], S, self.kv_heads, self.head_dim)
-        v = v.transpose(1, 2)  # (B, Hkv, S, D); q (B, H, L, D), k (B, Hkv, S, D)
+        if key is query and value is query:  # self-attention: one GEMM for q, k and v
+            q, k, v = self._packed_projection(query)
+        else:
+            q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        q = q.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
+        k = k.view(k.shape[0], S, self.kv_heads, self.head_dim).transpose(1, 2)  # (B,Hkv,S,D)
+        v = v.view(v.shape[0], S, self.kv_heads, self.head_dim).transpose(1, 2)  # (B,Hkv,S,D)
         out, weights = attention(
             q, k, v, mask, causal=causal, dropout_p=self.dropout if self.training else 0.0
         )
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.d_model))  # (B, L, d_model)
         return AttentionResult(out, weights)
+
+    def _packed_projection(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v projections of x as one GEMM (as torch's packed in_proj does)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight for p in projs])  # (d_model + 2 * kv_dim, d_model)
+        bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
+        kv_dim = self.kv_heads * self.head_dim
+        return nn.functional.linear(x, weight, bias).split([self.d_model, kv_dim, kv_dim], -1)
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:

@@ -1,0 +1,199 @@
+"""Side-by-side timing: ours against a peer, interleaved, medians, ratios, JSON.
+
+A benchmark script lists `Comparison`s and calls `main(comparisons)`. Each side is a
+setup function that builds its inputs (and modules) and returns the call to time, so
+the same setup serves the timing loop and the peak-memory subprocess: the script runs
+itself with `--peak CASE SIDE`, which sets up, takes the baseline, calls once, and
+prints the rise of the peak resident set. Timings interleave A B A B ... so drift hits
+both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import sdpa
+
+Setup = Callable[[], Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One line of the table: `ours` against `peer` on one case."""
+
+    case: str  # unique id, e.g. "unet fp32 weights"
+    shape: str  # what the case is, for the table
+    dtype: str
+    ours: tuple[str, Setup]  # (name, setup)
+    peer: tuple[str, Setup]
+    target: float | None = None  # the ratio ours / peer to stay under
+    flop: float | None = None  # per call, for GFLOP/s
+    calls_per_rep: int = 1  # >1 for calls too short to time one by one
+    grad: bool = False  # time with autograd on (the call runs its own backward)
+
+
+def _time(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def _peak_rss_kib() -> int:
+    """Peak resident set of this process, KiB. Linux carries ru_maxrss across fork and
+    exec (a child starts at its parent's size), so read this process's own VmHWM."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _peak_mib(script: str, case: str, side: str) -> float:
+    out = subprocess.run(
+        [sys.executable, script, "--peak", case, side],
+        capture_output=True, text=True, check=True, timeout=900,
+    )  # fmt: skip
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _measure_peak(c: Comparison, side: str) -> None:
+    fn = (c.ours if side == "ours" else c.peer)[1]()
+    before = _peak_rss_kib()
+    with torch.set_grad_enabled(c.grad):
+        fn()
+    print((_peak_rss_kib() - before) / 1024)
+
+
+def run(comparisons: list[Comparison], quick: bool, memory: bool, script: str) -> list[dict]:
+    results = []
+    for c in comparisons:
+        names = {"ours": c.ours[0], "peer": c.peer[0]}
+        fns = {"ours": c.ours[1](), "peer": c.peer[1]()}
+        reps = max(3, (5 if quick else 15) * (1 if c.calls_per_rep == 1 else 6))
+        times: dict[str, list[float]] = {"ours": [], "peer": []}
+        with torch.set_grad_enabled(c.grad):
+            for side in fns:  # warm up
+                _time(fns[side], c.calls_per_rep)
+            for _ in range(reps):
+                for side in fns:
+                    times[side].append(_time(fns[side], c.calls_per_rep))
+        del fns
+        med = {side: statistics.median(t) for side, t in times.items()}
+        for side in ("ours", "peer"):
+            row = {
+                "case": c.case,
+                "shape": c.shape,
+                "dtype": c.dtype,
+                "impl": names[side],
+                "peer": names["peer"] if side == "ours" else None,
+                "median_ms": med[side] * 1e3,
+                "gflops": None if c.flop is None else c.flop / med[side] / 1e9,
+                "ratio": med[side] / med["peer"],
+                "target": c.target if side == "ours" else None,
+                "reps": reps,
+                "calls_per_rep": c.calls_per_rep,
+                "grad": c.grad,
+                "peak_mib": _peak_mib(script, c.case, side) if memory else None,
+            }
+            results.append(row)
+            print(_line(row), flush=True)
+    return results
+
+
+def _line(row: dict) -> str:
+    target = "" if row["target"] is None else f"  target <= {row['target']}x"
+    verdict = (
+        "" if row["target"] is None else ("  met" if row["ratio"] <= row["target"] else "  MISSED")
+    )
+    mem = "" if row["peak_mib"] is None else f"{row['peak_mib']:8.1f} MiB"
+    flops = "" if row["gflops"] is None else f"{row['gflops']:7.1f} GFLOP/s"
+    return (
+        f"{row['case']:24} {row['impl']:36} {row['median_ms']:9.3f} ms {flops} {mem}  "
+        f"x{row['ratio']:.3f}{target}{verdict}"
+    )
+
+
+def markdown(results: list[dict]) -> str:
+    """The README's table: one line per comparison (ours beside its peer)."""
+    peers = {(r["case"], r["impl"]): r for r in results if r["peer"] is None}
+    lines = [
+        "| case | dtype | ours | peer | ours ms | peer ms | ratio | target "
+        "| peak MiB ours / peer |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r["peer"] is None:
+            continue
+        p = peers[(r["case"], r["peer"])]
+        target = "-" if r["target"] is None else f"<= {r['target']}"
+        if r["target"] is not None and r["ratio"] > r["target"]:
+            target += " (missed)"
+        mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f} / {p['peak_mib']:.0f}"
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | `{r['impl']}` | `{r['peer']}` "
+            f"| {r['median_ms']:.3g} | {p['median_ms']:.3g} | {r['ratio']:.3f} | {target} "
+            f"| {mem} |"
+        )
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "sdpa": sdpa.__version__,
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+
+
+def main(
+    comparisons: list[Comparison], script: str, doc: str, argv: list[str] | None = None
+) -> int:
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
+    parser.add_argument("--json", help="write results and environment here")
+    parser.add_argument("--markdown", help="print the table of an earlier --json run and exit")
+    parser.add_argument("--only", help="run only the cases whose id contains this")
+    parser.add_argument("--peak", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    by_case = {c.case: c for c in comparisons}
+    if args.peak:
+        _measure_peak(by_case[args.peak[0]], args.peak[1])
+        return 0
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)["results"]))
+        return 0
+    chosen = [c for c in comparisons if args.only is None or args.only in c.case]
+    env = environment()
+    print(f"environment: {env}")
+    results = run(chosen, args.quick, memory=not args.no_memory, script=script)
+    print(markdown(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "results": results}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
