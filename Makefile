@@ -31,6 +31,7 @@ lint: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(PY) benchmarks/bench_core.py --json benchmarks/results/core.json
+	$(PY) benchmarks/bench_modules.py --json benchmarks/results/modules.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -44,22 +44,16 @@ def mha_side(name: str, train: bool):
     return name, setup
 
 
-def listing_block(m: sdpa.SpatialSelfAttention, x: torch.Tensor) -> torch.Tensor:
-    """SpatialSelfAttention's block with the seed's listing for the attention."""
-    B, C, H, W = x.shape
-    h = m.norm(x).flatten(2).transpose(1, 2)  # (B, H*W, C)
-    q, k, v = m.qkv(h).view(B, H * W, 3, m.num_heads, C // m.num_heads).permute(2, 0, 3, 1, 4)
-    out, _ = listing.attention(q, k, v)  # (B, heads, H*W, D)
-    out = m.proj_out(out.transpose(1, 2).reshape(B, H * W, C))  # (B, H*W, C)
-    return x + out.transpose(1, 2).reshape(x.shape)
-
-
 def spatial_side(name: str):
     def setup():
         torch.manual_seed(0)
         m = sdpa.SpatialSelfAttention(UNET[1], num_heads=4).eval()
         x = torch.randn(*UNET)
-        return (lambda: m(x).output) if name.startswith("sdpa") else (lambda: listing_block(m, x))
+        return (
+            (lambda: m(x).output)
+            if name.startswith("sdpa")
+            else (lambda: listing.spatial_block(m, x))
+        )
 
     return name, setup
 

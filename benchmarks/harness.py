@@ -14,10 +14,7 @@ import argparse
 import datetime
 import json
 import platform
-import resource
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import sdpa
+from sdpa.measure import peak_mib_in_subprocess, peak_mib_of
 
 Setup = Callable[[], Callable[[], object]]
 
@@ -51,30 +49,10 @@ def _time(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def _peak_rss_kib() -> int:
-    """Peak resident set of this process, KiB. Linux carries ru_maxrss across fork and
-    exec (a child starts at its parent's size), so read this process's own VmHWM."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def _peak_mib(script: str, case: str, side: str) -> float:
-    out = subprocess.run(
-        [sys.executable, script, "--peak", case, side],
-        capture_output=True, text=True, check=True, timeout=900,
-    )  # fmt: skip
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def _measure_peak(c: Comparison, side: str) -> None:
     fn = (c.ours if side == "ours" else c.peer)[1]()
-    before = _peak_rss_kib()
     with torch.set_grad_enabled(c.grad):
-        fn()
-    print((_peak_rss_kib() - before) / 1024)
+        print(peak_mib_of(fn))
 
 
 def run(comparisons: list[Comparison], quick: bool, memory: bool, script: str) -> list[dict]:
@@ -106,7 +84,9 @@ def run(comparisons: list[Comparison], quick: bool, memory: bool, script: str) -
                 "reps": reps,
                 "calls_per_rep": c.calls_per_rep,
                 "grad": c.grad,
-                "peak_mib": _peak_mib(script, c.case, side) if memory else None,
+                "peak_mib": (
+                    peak_mib_in_subprocess([script, "--peak", c.case, side]) if memory else None
+                ),
             }
             results.append(row)
             print(_line(row), flush=True)

@@ -10,15 +10,6 @@ from sdpa import SpatialSelfAttention, listing
 from sdpa.nn import pixel_attention
 
 
-def listing_block(m: SpatialSelfAttention, x: torch.Tensor) -> torch.Tensor:
-    """The same block with the seed's listing for the attention."""
-    B, C, H, W = x.shape
-    h = m.norm(x).flatten(2).transpose(1, 2)
-    q, k, v = m.qkv(h).view(B, H * W, 3, m.num_heads, C // m.num_heads).permute(2, 0, 3, 1, 4)
-    out, _ = listing.attention(q, k, v)
-    return x + m.proj_out(out.transpose(1, 2).reshape(B, H * W, C)).transpose(1, 2).view(x.shape)
-
-
 @pytest.fixture
 def block(gen):
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -29,7 +20,7 @@ def test_shapes_residual_and_listing_agreement(gen, block):
     x = torch.randn(2, 64, 6, 7, generator=gen)
     out, w = block(x)
     assert out.shape == x.shape and w.shape == (2, 4, 42, 42)
-    torch.testing.assert_close(out, listing_block(block, x), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, listing.spatial_block(block, x), atol=1e-5, rtol=0)
     with torch.no_grad():  # the residual: zero the output projection, get x back
         block.proj_out.weight.zero_()
         block.proj_out.bias.zero_()

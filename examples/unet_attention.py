@@ -1,0 +1,1 @@
+../src/sdpa/examples/unet_attention.py
