@@ -1,8 +1,9 @@
 """Module benchmark: sdpa's modules against torch's and the seed's listing.
 
 - MultiHeadAttention vs torch.nn.MultiheadAttention(need_weights=False), d_model 128,
-  4 heads, L = 4096, float32: inference (no autograd, eval) and training (forward +
-  backward, train mode, dropout 0).
+  4 heads, L = 4096, float32: inference (no autograd, eval; and again with torch's
+  module in train mode, which skips its native fast path for F.sdpa) and training
+  (forward + backward, train mode, dropout 0).
 - SpatialSelfAttention vs the same block with the listing's attention, on the seed's
   (1, 128, 64, 64) U-Net map with 4 heads, no autograd.
 
@@ -32,9 +33,13 @@ def mha_pair(train: bool):
     return ref, ours, x
 
 
-def mha_side(name: str, train: bool):
+def mha_side(name: str, train: bool, torch_mode: bool | None = None):
+    """torch_mode: run torch's module in this mode (default: `train`); its eval mode
+    without autograd takes torch's native fast path, its train mode calls F.sdpa."""
+
     def setup():
         ref, ours, x = mha_pair(train)
+        ref.train(train if torch_mode is None else torch_mode)
         if name.startswith("sdpa"):
             call = lambda: ours(x).output  # noqa: E731
         else:
@@ -68,6 +73,13 @@ def comparisons() -> list[Comparison]:
             ours=mha_side("sdpa.MultiHeadAttention", train=False),
             peer=mha_side("nn.MultiheadAttention(need_weights=False)", train=False),
             target=0.5,
+        ),
+        Comparison(
+            case="mha inference sdpa-path",
+            shape=mha + ", no grad, torch in train mode (its F.sdpa path)",
+            dtype="float32",
+            ours=mha_side("sdpa.MultiHeadAttention", train=False),
+            peer=mha_side("nn.MultiheadAttention(need_weights=False)", False, torch_mode=True),
         ),
         Comparison(
             case="mha training",

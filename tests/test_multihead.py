@@ -57,8 +57,14 @@ def test_mask_polarity_is_converted_only_at_the_torch_edge():
     ignore = torch.tensor([[False, True]])
     assert torch.equal(mask_from_torch(key_padding_mask=ignore), ~ignore[:, None, None, :])
     assert mask_from_torch() is None
-    with pytest.raises(ValueError, match=r"pass num_heads to split it"):
+    with pytest.raises(ValueError, match=r"pass the num_heads that divides its first dim"):
         mask_from_torch(torch.zeros(8, 3, 3))
+    with pytest.raises(ValueError, match=r"pass the num_heads .* got 3"):
+        mask_from_torch(torch.zeros(8, 3, 3), num_heads=3)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, S\), got \(5,\)"):
+        mask_from_torch(None, torch.zeros(5, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"key_padding_mask must be bool .* got torch.uint8"):
+        mask_from_torch(None, torch.zeros(2, 5, dtype=torch.uint8))
 
 
 def test_matches_oracle_with_gqa_and_causal(gen):
@@ -127,6 +133,14 @@ def test_from_torch_keeps_training_mode_dtype_and_dropout():
 def test_construction_refusals(make, exc, pattern):
     with pytest.raises(exc, match=pattern):
         make()
+
+
+def test_call_refusals_name_the_argument():
+    m = MultiHeadAttention(16, 4)
+    with pytest.raises(ValueError, match=r"key and value must have the same length"):
+        m(torch.randn(2, 5, 16), torch.randn(2, 7, 16), torch.randn(2, 6, 16))
+    with pytest.raises(ValueError, match=r"key and value batch must be the query's \(1\) or 1"):
+        m(torch.randn(1, 5, 16), torch.randn(2, 7, 16))
 
 
 def test_call_refusals():

@@ -122,6 +122,18 @@ def test_rows_on_demand_any_rank(gen, shapes, index):
     torch.testing.assert_close(w[index].double(), dense[index], atol=2e-5, rtol=0)
 
 
+def test_index_edge_cases(gen):
+    import numpy as np
+
+    q, k, v, _ = make_inputs(gen, Hq=4, Hkv=2, L=6, S=6)
+    w = sdpa.attention(q, k, v).weights
+    dense = w.full()
+    assert w[:, 0:0].shape == (2, 0, 6, 6) and w[0, 2:2].shape == (0, 6, 6)
+    torch.testing.assert_close(w[np.int64(1), torch.tensor(2)], dense[1, 2])
+    torch.testing.assert_close(w[0, 1:3, 4], dense[0, 1:3, 4])  # heads across a group edge
+    torch.testing.assert_close(w[0, 2:4, 4], dense[0, 2:4, 4])  # one whole group
+
+
 def test_one_row_costs_one_row(gen):
     """w[0, :, 5] on a long sequence must not build the L x S matrix."""
     q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=4096, S=4096, E=8)
@@ -148,3 +160,119 @@ def test_bad_indices(gen, index, exc, pattern):
     w = sdpa.attention(q, k, v).weights
     with pytest.raises(exc, match=pattern):
         w[index]
+
+
+def dense_stats(p: torch.Tensor, k: int):
+    """The oracle's statistics of dense float64 weights p (..., L, S)."""
+    plogp = torch.where(p > 0, p * p.log(), torch.zeros_like(p))
+    values, _ = p.topk(k, dim=-1)
+    return p.sum(-2), p.sum(-2) / p.shape[-2], -plogp.sum(-1), values
+
+
+STAT_CASES = [
+    dict(mask_kind="none"),
+    dict(mask_kind="bool"),
+    dict(mask_kind="float"),
+    dict(mask_kind="float_inf"),
+    dict(mask_kind="key_padding"),
+    dict(mask_kind="dead_rows"),
+    dict(mask_kind="none", causal=True),
+    dict(mask_kind="bool", causal=True),
+    dict(mask_kind="none", Hq=6, Hkv=2),
+    dict(mask_kind="bool", Hq=6, Hkv=3, scale=0.7),
+    dict(mask_kind="none", dtype=torch.bfloat16),
+    dict(mask_kind="float", dtype=torch.float16),
+    dict(mask_kind="none", scale=2.0),  # peaked rows: entropy cancels
+]
+
+
+@pytest.mark.parametrize("case", STAT_CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+@pytest.mark.parametrize("L,S", [(1, 1), (37, 53), (64, 64)])
+def test_statistics_match_the_oracle(gen, case, L, S):
+    case = dict(case)
+    causal, scale = case.pop("causal", False), case.pop("scale", None)
+    if causal and L != S:
+        pytest.skip("causal needs L == S")
+    q, k, v, mask = make_inputs(gen, L=L, S=S, E=40, **case)
+    w = sdpa.attention(q, k, v, mask, causal=causal, scale=scale).weights
+    ref_p = oracle(q, k, v, mask, causal=causal, scale=scale)[1]
+    kk = min(5, S)
+    ref_sum, ref_mean, ref_entropy, ref_top = dense_stats(ref_p, kk)
+    tol = 2e-5 if q.dtype == torch.float32 else 1e-2  # 16-bit inputs carry their rounding
+    torch.testing.assert_close(w.sum(dim=-2).double(), ref_sum, atol=tol * L, rtol=0)
+    torch.testing.assert_close(w.mean(dim=-2).double(), ref_mean, atol=tol, rtol=0)
+    # entropy: within 1e-4 * max(1, |lse|) of the oracle (the fused path may cancel)
+    ref_lse = torch.where(ref_p.sum(-1) > 0, w.lse.double(), torch.zeros_like(ref_entropy))
+    bound = 1e-4 * ref_lse.abs().clamp(min=1) if q.dtype == torch.float32 else tol * 10
+    assert ((w.entropy().double() - ref_entropy).abs() <= bound).all()
+    values, indices = w.topk(kk)
+    assert values.shape == indices.shape == (*ref_p.shape[:-1], kk)
+    torch.testing.assert_close(values.double(), ref_top, atol=tol, rtol=0)
+    # the indices point at those values
+    torch.testing.assert_close(ref_p.gather(-1, indices), ref_top, atol=tol, rtol=0)
+    for stat in (w.sum(), w.entropy(), values):
+        assert stat.dtype == torch.float32
+
+
+def test_fully_masked_rows_have_zero_entropy_and_zero_topk(gen):
+    q, k, v, _ = make_inputs(gen, L=6, S=5)
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    mask[2] = False
+    w = sdpa.attention(q, k, v, mask).weights
+    assert torch.equal(w.entropy()[:, :, 2], torch.zeros(2, 3))
+    assert torch.equal(w.topk(3)[0][:, :, 2], torch.zeros(2, 3, 3))
+
+
+def test_statistics_take_the_chunked_path_in_tiles(gen):
+    """A small budget cuts the work into row chunks of one head: same answers."""
+    from sdpa import rows
+
+    q, k, v, mask = make_inputs(gen, Hq=4, Hkv=2, L=50, S=70, mask_kind="float")
+    r = sdpa.attention(q, k, v, mask).weights._rows()
+    budget = 7 * 70 * 4  # 7 rows of one head
+    assert len(list(r.tiles(budget))) == 2 * 4 * 8
+    ref_p = oracle(q, k, v, mask)[1]
+    ref_sum, _, ref_entropy, ref_top = dense_stats(ref_p, 4)
+    torch.testing.assert_close(rows.key_sums(r, budget).double(), ref_sum, atol=1e-4, rtol=0)
+    torch.testing.assert_close(rows.entropy(r, budget).double(), ref_entropy, atol=1e-4, rtol=0)
+    torch.testing.assert_close(rows.topk(r, 4, budget)[0].double(), ref_top, atol=2e-5, rtol=0)
+    torch.testing.assert_close(rows.dense(r, budget).double(), ref_p, atol=2e-5, rtol=0)
+
+
+def test_full_refuses_over_budget_before_allocating(gen):
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=300, S=400)
+    w = sdpa.attention(q, k, v).weights
+    with pytest.raises(
+        sdpa.WeightsTooLargeError,
+        match=r"need 960,000 bytes .* over "
+        r"max_bytes=100,000. Ask for less: rows .* w.entropy\(\)",
+    ):
+        w.full(max_bytes=100_000)
+    assert isinstance(sdpa.WeightsTooLargeError("x"), MemoryError)
+    assert w.full(max_bytes=None).shape == (1, 2, 300, 400)
+
+
+def test_statistics_work_where_the_dense_weights_exceed_the_budget(gen):
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=2048, S=2048, E=8)
+    w = sdpa.attention(q, k, v).weights
+    with pytest.raises(sdpa.WeightsTooLargeError):
+        w.full(max_bytes=2**24)  # 32 MiB of weights
+    sums, h, (top, _) = w.sum(), w.entropy(), w.topk(4)
+    assert sums.shape == (1, 2, 2048) and h.shape == (1, 2, 2048) and top.shape == (1, 2, 2048, 4)
+    torch.testing.assert_close(sums.sum(-1), torch.full((1, 2), 2048.0), rtol=1e-5, atol=0)
+    assert ((h > 0) & (h <= torch.log(torch.tensor(2048.0)))).all()
+
+
+@pytest.mark.parametrize("dim", [-1, 0, 3])
+def test_sum_over_other_dims_is_refused(gen, dim):
+    q, k, v, _ = make_inputs(gen)
+    w = sdpa.attention(q, k, v).weights
+    with pytest.raises(ValueError, match=rf"over the queries, dim=-2 .* got dim={dim}"):
+        w.sum(dim=dim)
+
+
+@pytest.mark.parametrize("k", [0, 10, 2.0])
+def test_bad_topk(gen, k):
+    q, k_, v, _ = make_inputs(gen)
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, S=9\]"):
+        sdpa.attention(q, k_, v).weights.topk(k)

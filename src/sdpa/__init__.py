@@ -3,7 +3,7 @@
 from sdpa.backends import NotSupportedError
 from sdpa.functional import AttentionResult, attention, scaled_dot_product_attention
 from sdpa.nn import MultiHeadAttention, PositionalEncoding, SpatialSelfAttention
-from sdpa.weights import AttentionWeights, StaleWeightsError
+from sdpa.weights import AttentionWeights, StaleWeightsError, WeightsTooLargeError
 
 __all__ = [
     "AttentionResult",
@@ -13,6 +13,7 @@ __all__ = [
     "PositionalEncoding",
     "SpatialSelfAttention",
     "StaleWeightsError",
+    "WeightsTooLargeError",
     "attention",
     "scaled_dot_product_attention",
 ]

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa.backends import select
+from sdpa.backends import BACKENDS, select
 from sdpa.inputs import Inputs, no_autocast, normalize
 from sdpa.weights import AttentionWeights
 
@@ -16,6 +16,14 @@ class AttentionResult(NamedTuple):
 
     output: torch.Tensor  # (..., L, Ev)
     weights: AttentionWeights  # lazy (..., L, S)
+
+
+def _fused(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused backend on (B, H, L, D) inputs, or None where it can't run them: how
+    AttentionWeights computes some statistics with one more fused call."""
+    if BACKENDS["fused"].not_supported_reasons(inputs):
+        return None
+    return BACKENDS["fused"].forward(inputs)
 
 
 def _forward(inputs: Inputs, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +72,7 @@ def attention(
     """
     inputs = normalize(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p)
     out, lse = _forward(inputs, backend)
-    return AttentionResult(out, AttentionWeights(inputs, lse))
+    return AttentionResult(out, AttentionWeights(inputs, lse, _fused))
 
 
 def scaled_dot_product_attention(

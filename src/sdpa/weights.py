@@ -2,26 +2,35 @@
 
 A fused kernel returns the output and, per query row, the log-sum-exp of its scores.
 Any weight is then p_ij = exp(s_ij - lse_i) with s_ij = scale * q_i . k_j + bias_ij:
-one GEMM and one exp, no second softmax, and nothing L x S is kept between calls.
+rows cost one GEMM and one exp, and nothing L x S is kept between calls (`sdpa.rows`
+does the work, tile by tile). The entropy costs one more fused call instead:
+H_i = lse_i - sum_j p_ij s_ij = lse_i - scale * q_i . (P K)_i, and P K is attention
+with the keys as values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
+from collections.abc import Callable
 
 import torch
 
+from sdpa import rows
 from sdpa.inputs import Inputs, no_autocast
 
-LOG2E = 1.0 / math.log(2.0)
-# Rows whose |lse| exceeds this are recomputed as a plain softmax of their scores: there a
-# float32 LSE has lost digits (rows masked with a large finite bias such as -1e9 or
-# torch.finfo(dtype).min, or scores in the hundreds), so exp(s - lse) would be off.
-EXACT_LSE_LIMIT = 32.0
+# Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
+FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
+DEFAULT_MAX_BYTES = 2**30
 
 
 class StaleWeightsError(RuntimeError):
     """q, k or the mask changed in place after the attention call."""
+
+
+class WeightsTooLargeError(MemoryError):
+    """The dense weights would exceed the memory budget asked for."""
 
 
 def _version(t: torch.Tensor | None) -> int | None:
@@ -41,11 +50,12 @@ class AttentionWeights:
     answer for other inputs (tensors made under torch.inference_mode cannot be checked).
     """
 
-    __slots__ = ("_inputs", "_lse", "_versions")
+    __slots__ = ("_fused", "_inputs", "_lse", "_versions")
 
-    def __init__(self, inputs: Inputs, lse: torch.Tensor):
+    def __init__(self, inputs: Inputs, lse: torch.Tensor, fused: FusedRunner | None = None):
         self._inputs = inputs
         self._lse = lse.detach()  # (B, Hq, L)
+        self._fused = fused
         self._versions = (
             _version(inputs.query),
             _version(inputs.key),
@@ -90,8 +100,18 @@ class AttentionWeights:
                 f"(e.g. before a KV-cache write or an optimizer step), or pass a clone"
             )
 
-    def full(self) -> torch.Tensor:
-        """The dense weights, (*lead, L, S): exp(scores - lse) in one GEMM-and-exp pass."""
+    def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
+        """The dense weights, (*lead, L, S). Refuses, before allocating anything, when
+        they need more than max_bytes (None: no limit)."""
+        self._check_fresh()
+        need = math.prod(self.shape) * (torch.finfo(self.dtype).bits // 8)
+        if max_bytes is not None and need > max_bytes:
+            raise WeightsTooLargeError(
+                f"the dense weights {tuple(self.shape)} in {self.dtype} need {need:,} bytes "
+                f"({need / 2**30:.2f} GiB), over max_bytes={max_bytes:,}. Ask for less: rows "
+                f"(w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), w.mean(dim=-2), w.entropy() and "
+                f"w.topk(k) work in O(chunk x S) memory; or pass max_bytes=None"
+            )
         return self[...]
 
     def __getitem__(self, index: object) -> torch.Tensor:
@@ -118,24 +138,102 @@ class AttentionWeights:
                 t = t[:, heads]
             return t if rows is None else t[:, :, rows]
 
+        heads, rows_ = _as_slice(head_idx), _as_slice(q_idx)
+        k = _key_heads(pick(i.key, None, None), i.query.shape[1], heads)  # (B', Hkv', S, E)
+        selection = rows.Rows(
+            pick(i.query, heads, rows_),  # (B', H', n, E)
+            k,
+            pick(self._lse[..., None], heads, rows_)[..., 0],  # (B', H', n)
+            None if i.mask is None else pick(i.mask, heads, rows_),  # (B'|1, H'|1, n, S)
+            torch.arange(L, device=i.query.device)[rows_] if i.causal else None,
+            i.scale,
+            i.compute_dtype,
+        )
         with torch.no_grad(), no_autocast(self.device.type):
-            heads, rows = _as_slice(head_idx), _as_slice(q_idx)
-            q = pick(i.query, heads, rows)  # (B', H', n, E)
-            lse = pick(self._lse[..., None], heads, rows)[..., 0]  # (B', H', n)
-            mask = None if i.mask is None else pick(i.mask, heads, rows)  # (B'|1, H'|1, n, S)
-            k = pick(i.key, None, None)  # (B', Hkv, S, E)
-            group = i.query.shape[1] // i.key.shape[1]
-            if heads != slice(None) and group > 1:  # query head h uses key head h // group
-                k = k[:, torch.arange(i.query.shape[1])[heads] // group]  # (B', H', S, E)
-            elif heads != slice(None):
-                k = k[:, heads]
-            positions = torch.arange(L, device=q.device)[rows] if i.causal else None
-            p = _probabilities(q, k, lse, mask, positions, i.scale, i.compute_dtype)
+            p = rows.dense(selection)  # (B', H', n, S)
         # int indices drop their dim, as in torch
         p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, S)
         drop = [*batch_idx, head_idx, q_idx] if has_heads else [*batch_idx, 0, q_idx]
         p = p[tuple(0 if isinstance(d, int) else slice(None) for d in drop)]
         return p[..., k_idx]
+
+    def sum(self, dim: int = -2) -> torch.Tensor:
+        """Attention each key receives, summed over the queries: (*lead, S).
+
+        Only dim=-2 (over the queries): over the keys every row sums to 1 (0 for a row
+        that sees no key)."""
+        self._check_query_dim(dim, "sum")
+        self._check_fresh()
+        with torch.no_grad(), no_autocast(self.device.type):
+            sums = rows.key_sums(self._rows())
+        return sums.reshape(*self._inputs.lead, -1)
+
+    def mean(self, dim: int = -2) -> torch.Tensor:
+        """sum(dim=-2) divided by the number of queries L: (*lead, S)."""
+        self._check_query_dim(dim, "mean")
+        return self.sum(dim) / max(1, self._inputs.query.shape[-2])
+
+    def entropy(self) -> torch.Tensor:
+        """-sum_j p_ij ln p_ij for each query, in nats: (*lead, L); 0 for rows that see
+        no key."""
+        self._check_fresh()
+        with torch.no_grad(), no_autocast(self.device.type):
+            h = self._entropy_fused()
+            if h is None:
+                h = rows.entropy(self._rows())
+        return h.reshape(*self._inputs.lead, -1)
+
+    def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest weights of each query row and their key indices, like
+        torch.topk(w, k, dim=-1): (values, indices), each (*lead, L, k). Rows that see
+        no key give values 0."""
+        S = self._inputs.key.shape[-2]
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= S:
+            raise ValueError(f"k must be an int in [1, S={S}], got {k!r}")
+        self._check_fresh()
+        with torch.no_grad(), no_autocast(self.device.type):
+            values, indices = rows.topk(self._rows(), k)
+        lead = self._inputs.lead
+        return values.reshape(*lead, -1, k), indices.reshape(*lead, -1, k)
+
+    def _check_query_dim(self, dim: int, what: str) -> None:
+        if dim not in (-2, len(self.shape) - 2):
+            raise ValueError(
+                f"{what} works over the queries, dim=-2 (-> (..., S): attention each key "
+                f"receives), got dim={dim}; over the keys (dim=-1) every row sums to 1"
+            )
+
+    def _rows(self) -> rows.Rows:
+        i = self._inputs
+        L = i.query.shape[-2]
+        positions = torch.arange(L, device=i.query.device) if i.causal else None
+        return rows.Rows(i.query, i.key, self._lse, i.mask, positions, i.scale, i.compute_dtype)
+
+    def _entropy_fused(self) -> torch.Tensor | None:
+        """H_i = lse_i - scale * q_i . (P K)_i with one fused call (keys as values); None
+        where the fused kernel can't serve or an additive mask needs sum_j p_ij b_ij."""
+        i = self._inputs
+        if self._fused is None or (i.mask is not None and i.mask.dtype != torch.bool):
+            return None
+        q, k = i.query.to(i.compute_dtype), i.key.to(i.compute_dtype)
+        ran = self._fused(i._replace(query=q, key=k, value=k, dropout_p=0.0))
+        if ran is None:
+            return None
+        pk, lse = ran  # (B, Hq, L, E), (B, Hq, L)
+        return lse - i.scale * (q * pk).sum(dim=-1)
+
+
+def _key_heads(k: torch.Tensor, Hq: int, heads: slice) -> torch.Tensor:
+    """The key heads that query heads `heads` use (query head h uses key head
+    h // (Hq // Hkv)): a view when the slice covers whole groups, else one key head per
+    selected query head."""
+    group = Hq // k.shape[1]
+    start, stop, step = heads.indices(Hq)
+    if group == 1:
+        return k[:, heads]
+    if step == 1 and start % group == 0 and stop % group == 0:
+        return k[:, start // group : max(start, stop) // group]
+    return k[:, torch.arange(Hq)[heads] // group]
 
 
 def _as_slice(index: int | slice) -> slice:
@@ -155,6 +253,14 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice]:
     items += [slice(None)] * (len(shape) - len(items))
     out: list[int | slice] = []
     for dim, (item, size) in enumerate(zip(items, shape, strict=True)):
+        tensor_with_dims = isinstance(item, torch.Tensor) and item.ndim > 0
+        if (
+            not isinstance(item, bool | slice)
+            and hasattr(item, "__index__")
+            and not tensor_with_dims
+        ):
+            with contextlib.suppress(TypeError):  # numpy integers, 0-d integer tensors
+                item = operator.index(item)
         if isinstance(item, bool) or not isinstance(item, int | slice):
             raise TypeError(
                 f"AttentionWeights takes ints, slices and '...' as indices (they choose which "
@@ -169,66 +275,3 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice]:
             raise ValueError(f"slice step must be positive, got {item.step} for dim {dim}")
         out.append(item)
     return out
-
-
-def _probabilities(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lse: torch.Tensor,
-    mask: torch.Tensor | None,
-    positions: torch.Tensor | None,
-    scale: float,
-    cd: torch.dtype,
-) -> torch.Tensor:
-    """Weights (B, Hq, n, S) of query rows q (B, Hq, n, E) against k (B, Hkv, S, E).
-
-    lse (B, Hq, n); mask (B|1, Hq|1, n, S) or None; positions (n,): the rows' query
-    positions when causal (top-left), else None. Rows with |lse| > EXACT_LSE_LIMIT
-    are recomputed by a plain softmax of their scores.
-    """
-    w = _from_lse(q, k, lse, mask, positions, scale, cd)
-    inexact = lse.abs() > EXACT_LSE_LIMIT  # (B, Hq, n)
-    if inexact.any():
-        exact = _by_softmax(q, k, mask, positions, scale, cd)
-        w = torch.where(inexact[..., None], exact, w)
-    return w
-
-
-def _from_lse(q, k, lse, mask, positions, scale, cd) -> torch.Tensor:
-    """exp(s - lse) with the LSE folded into the GEMM, in base 2 (exp2 runs ~3x faster
-    than exp on CPU): [c*scale*q_i, -c*lse_i] . [k_j, 1] = c*(s_ij - lse_i), c = log2(e)."""
-    k = k.to(cd)
-    q_aug = torch.cat([q.to(cd) * (scale * LOG2E), lse[..., None].to(cd) * -LOG2E], dim=-1)
-    k_aug = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hkv, S, E+1)
-    w = _grouped_scores(q_aug, k_aug)  # (B, Hq, n, S)
-    if mask is not None and mask.dtype != torch.bool:
-        w.add_(mask, alpha=LOG2E)
-    w.exp2_()
-    return _keep_only(w, mask, positions, fill=0.0)
-
-
-def _by_softmax(q, k, mask, positions, scale, cd) -> torch.Tensor:
-    """A plain softmax of the scores: exact where the LSE is not."""
-    s = _grouped_scores(q.to(cd), k.to(cd)).mul_(scale)
-    if mask is not None and mask.dtype != torch.bool:
-        s.add_(mask)
-    s = _keep_only(s, mask, positions, fill=-torch.inf)
-    return torch.softmax(s, dim=-1).nan_to_num_(0.0)  # rows that see no key: 0
-
-
-def _keep_only(w, mask, positions, fill: float) -> torch.Tensor:
-    """Write `fill` in place where causality or a bool mask excludes a key."""
-    if positions is not None:  # top-left causal: the query at position r sees keys j <= r
-        w.masked_fill_(torch.arange(w.shape[-1], device=w.device) > positions[:, None], fill)
-    if mask is not None and mask.dtype == torch.bool:
-        w.masked_fill_(~mask, fill)
-    return w
-
-
-def _grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q (B, Hq, n, D) @ k (B, Hkv, S, D)^T -> (B, Hq, n, S) with query head h on key head
-    h // (Hq // Hkv): the heads sharing a key head are folded into rows, no copy of k."""
-    B, Hq, n, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    w = torch.matmul(q.reshape(B, Hkv, Hq // Hkv * n, D), k.transpose(-2, -1))
-    return w.view(B, Hq, n, S)

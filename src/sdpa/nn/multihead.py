@@ -74,6 +74,16 @@ class MultiHeadAttention(nn.Module):
                 )
         B, L, _ = query.shape
         S = key.shape[1]
+        if value.shape[1] != S:
+            raise ValueError(
+                f"key and value must have the same length, got key {tuple(key.shape)} and "
+                f"value {tuple(value.shape)}"
+            )
+        if key.shape[0] not in (1, B) or value.shape[0] not in (1, B):
+            raise ValueError(
+                f"key and value batch must be the query's ({B}) or 1, got key "
+                f"{tuple(key.shape)} and value {tuple(value.shape)}"
+            )
         if key is query and value is query:  # self-attention: one GEMM for q, k and v
             q, k, v = self._packed_projection(query)
         else:
@@ -151,17 +161,32 @@ class MultiHeadAttention(nn.Module):
         attn_mask: (L, S), or (B * num_heads, L, S) (then num_heads is needed);
         key_padding_mask: (B, S).
         """
+        for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+            if m is not None and m.dtype != torch.bool and not m.is_floating_point():
+                raise TypeError(
+                    f"{name} must be bool (True = ignore, torch's convention) or float "
+                    f"(added), got {m.dtype}, as torch.nn.MultiheadAttention requires"
+                )
         parts = []
         if attn_mask is not None:
             if attn_mask.ndim == 3:
-                if num_heads is None:
+                if num_heads is None or attn_mask.shape[0] % num_heads:
                     raise ValueError(
                         f"a 3-D attn_mask {tuple(attn_mask.shape)} is (B * num_heads, L, S): "
-                        f"pass num_heads to split it"
+                        f"pass the num_heads that divides its first dim, got {num_heads}"
                     )
                 attn_mask = attn_mask.view(-1, num_heads, *attn_mask.shape[-2:])  # (B,H,L,S)
+            elif attn_mask.ndim != 2:
+                raise ValueError(
+                    f"attn_mask must be (L, S) or (B * num_heads, L, S), got "
+                    f"{tuple(attn_mask.shape)}"
+                )
             parts.append(attn_mask)
         if key_padding_mask is not None:
+            if key_padding_mask.ndim != 2:
+                raise ValueError(
+                    f"key_padding_mask must be (B, S), got {tuple(key_padding_mask.shape)}"
+                )
             parts.append(key_padding_mask[:, None, None, :])  # (B, 1, 1, S)
         if not parts:
             return None

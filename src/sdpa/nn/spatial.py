@@ -62,8 +62,10 @@ def pixel_attention(
 ) -> torch.Tensor:
     """What pixel (y, x) attends to, as maps (B, num_heads, H, W) over the (H, W) image.
 
-    weights: a SpatialSelfAttention's (B, num_heads, H*W, H*W). Only the B*num_heads
-    rows of that pixel are computed, never the H*W x H*W matrix.
+    weights: a SpatialSelfAttention's (B, num_heads, H*W, H*W); size: the map's
+    (H, W), height first, as in x.shape[-2:] (weights do not know the image, so a
+    transposed size with the same H*W cannot be caught). Only the B*num_heads rows of
+    that pixel are computed, never the H*W x H*W matrix.
     """
     H, W = size
     if tuple(weights.shape[-2:]) != (H * W, H * W):

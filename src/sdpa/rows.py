@@ -1,0 +1,204 @@
+"""The chunked engine behind AttentionWeights: query rows rebuilt from the LSE.
+
+For query row i, with s_ij = scale * q_i . k_j + bias_ij and the row's log-sum-exp,
+    log p_ij = s_ij - lse_i        p_ij = exp(s_ij - lse_i)
+so any row costs one GEMM and one exp. `Rows` is a selection of rows laid out
+(B, H, n, ...); the work is cut into tiles of at most `budget` bytes (a whole batch
+element when it fits, else row chunks of one head), so no statistic allocates L x S.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+LOG2E = 1.0 / math.log(2.0)
+# Rows whose |lse| exceeds this are recomputed by a plain log-softmax of their scores:
+# there a float32 LSE has lost digits (a row masked with a large finite bias such as -1e9
+# or torch.finfo(dtype).min, or scores in the hundreds), so s - lse would be off.
+EXACT_LSE_LIMIT = 32.0
+CHUNK_BYTES = 64 * 2**20  # working memory of one tile
+
+
+class Rows(NamedTuple):
+    """Query rows of the weights, with what it takes to rebuild them.
+
+    q (B, H, n, E); k (B, Hkv, S, E), query head h on key head h // (H // Hkv);
+    lse (B, H, n); mask (B|1, H|1, n, S) bool (True = takes part) or float (added), or
+    None; positions (n,): the rows' query positions under (top-left) causal masking,
+    else None.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    lse: torch.Tensor
+    mask: torch.Tensor | None
+    positions: torch.Tensor | None
+    scale: float
+    dtype: torch.dtype  # compute dtype: float32 for 16-bit inputs
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, H, n, S)"""
+        B, H, n, _ = self.q.shape
+        return B, H, n, self.k.shape[2]
+
+    def tiles(self, budget: int = CHUNK_BYTES) -> Iterator[tuple[int, slice, slice]]:
+        """(b, heads, rows) pieces of at most `budget` bytes of weights: whole batch
+        elements when one fits, else row chunks of one head at a time."""
+        B, H, n, S = self.shape
+        item = torch.finfo(self.dtype).bits // 8
+        if H * n * S * item <= budget:
+            for b in range(B):
+                yield b, slice(0, H), slice(0, n)
+            return
+        step = max(1, budget // max(1, S * item))
+        for b in range(B):
+            for h in range(H):
+                for r0 in range(0, n, step):
+                    yield b, slice(h, h + 1), slice(r0, min(n, r0 + step))
+
+    def tile(self, b: int, heads: slice, rows: slice) -> Rows:
+        """The sub-selection of batch element b, a head range and a row range."""
+        H, Hkv = self.q.shape[1], self.k.shape[1]
+        if heads != slice(0, H):  # one head: its key head
+            kv = heads.start // (H // Hkv)
+            k = self.k[b : b + 1, kv : kv + 1]
+        else:
+            k = self.k[b : b + 1]
+        mask = self.mask
+        if mask is not None:
+            mb = slice(b, b + 1) if mask.shape[0] > 1 else slice(0, 1)
+            mask = mask[mb, heads if mask.shape[1] > 1 else slice(0, 1), rows]
+        return Rows(
+            self.q[b : b + 1, heads, rows],
+            k,
+            self.lse[b : b + 1, heads, rows],
+            mask,
+            None if self.positions is None else self.positions[rows],
+            self.scale,
+            self.dtype,
+        )
+
+
+def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
+    """log2 of the weights, (B, H, n, S): -inf where a key is excluded.
+
+    The LSE is folded into the GEMM, in base 2 (exp2 runs ~3x faster than exp on CPU):
+    [c*scale*q_i, -c*lse_i] . [k_j, 1] = c*(s_ij - lse_i), c = log2(e). Rows with
+    |lse| > EXACT_LSE_LIMIT are recomputed as c * log_softmax of their scores.
+    """
+    cd = r.dtype
+    k = r.k.to(cd)
+    q_aug = torch.cat([r.q.to(cd) * (r.scale * LOG2E), r.lse[..., None].to(cd) * -LOG2E], dim=-1)
+    k_aug = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hkv, S, E+1)
+    t = _grouped_scores(q_aug, k_aug, out)  # (B, H, n, S)
+    if r.mask is not None and r.mask.dtype != torch.bool:
+        t.add_(r.mask, alpha=LOG2E)
+    _exclude(t, r)
+    inexact = r.lse.abs() > EXACT_LSE_LIMIT  # (B, H, n)
+    if inexact.any():
+        s = _grouped_scores(r.q.to(cd), k).mul_(r.scale)
+        if r.mask is not None and r.mask.dtype != torch.bool:
+            s.add_(r.mask)
+        exact = torch.log_softmax(_exclude(s, r), dim=-1).mul_(LOG2E)
+        exact.nan_to_num_(nan=-torch.inf)  # rows that see no key
+        torch.where(inexact[..., None], exact, t, out=t)
+    return t
+
+
+def probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights, (B, H, n, S), written into `out` when given."""
+    return log2_probabilities(r, out).exp2_()
+
+
+def dense(r: Rows, budget: int = CHUNK_BYTES) -> torch.Tensor:
+    """The weights (B, H, n, S), tile by tile into one output."""
+    if 0 in r.shape:
+        return r.q.new_zeros(r.shape, dtype=r.dtype)
+    tiles = list(r.tiles(budget))
+    if len(tiles) == 1:
+        return probabilities(r)
+    out = torch.empty(r.shape, dtype=r.dtype, device=r.q.device)
+    for b, heads, rows in tiles:
+        probabilities(r.tile(b, heads, rows), out=out[b : b + 1, heads, rows])
+    return out
+
+
+def _scratch(r: Rows, budget: int) -> torch.Tensor:
+    """One reusable buffer for the largest tile (fresh pages fault on every allocation)."""
+    _, H, n, S = r.shape
+    item = torch.finfo(r.dtype).bits // 8
+    size = H * n * S if H * n * S * item <= budget else min(n, max(1, budget // (S * item))) * S
+    return torch.empty(size, dtype=r.dtype, device=r.q.device)
+
+
+def _each_tile(r: Rows, budget: int) -> Iterator[tuple[int, slice, slice, torch.Tensor]]:
+    """(b, heads, rows, log2 weights of the tile), reusing one buffer."""
+    scratch = _scratch(r, budget)
+    if 0 in r.shape:
+        return
+    for b, heads, rows in r.tiles(budget):
+        tile = r.tile(b, heads, rows)
+        shape = tile.shape
+        yield b, heads, rows, log2_probabilities(tile, out=scratch[: math.prod(shape)].view(shape))
+
+
+def key_sums(r: Rows, budget: int = CHUNK_BYTES) -> torch.Tensor:
+    """sum over the rows of the weights: the attention each key receives, (B, H, S)."""
+    B, H, _, S = r.shape
+    out = torch.zeros(B, H, S, dtype=r.dtype, device=r.q.device)
+    for b, heads, _, t in _each_tile(r, budget):
+        out[b : b + 1, heads] += t.exp2_().sum(dim=-2)
+    return out
+
+
+def entropy(r: Rows, budget: int = CHUNK_BYTES) -> torch.Tensor:
+    """-sum_j p_ij ln p_ij per row, (B, H, n), in nats; 0 for rows that see no key."""
+    B, H, n, _ = r.shape
+    out = torch.zeros(B, H, n, dtype=r.dtype, device=r.q.device)
+    for b, heads, rows, t in _each_tile(r, budget):
+        p_log2p = t.exp2().mul_(t).nan_to_num_(nan=0.0)  # 0 * -inf -> 0 where excluded
+        out[b : b + 1, heads, rows] = p_log2p.sum(dim=-1).mul_(-1.0 / LOG2E)
+    return out
+
+
+def topk(r: Rows, k: int, budget: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest weights of each row and their key indices, each (B, H, n, k). Top-k
+    of p is top-k of log p: only the k winners are exponentiated."""
+    B, H, n, _ = r.shape
+    values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.q.device)
+    indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.q.device)
+    for b, heads, rows, t in _each_tile(r, budget):
+        top, idx = t.topk(k, dim=-1)
+        values[b : b + 1, heads, rows] = top.exp2_()
+        indices[b : b + 1, heads, rows] = idx
+    return values, indices
+
+
+def _exclude(t: torch.Tensor, r: Rows) -> torch.Tensor:
+    """-inf, in place, where causality or a bool mask excludes a key."""
+    if r.positions is not None:  # top-left causal: the query at position p sees keys j <= p
+        t.masked_fill_(
+            torch.arange(t.shape[-1], device=t.device) > r.positions[:, None], -torch.inf
+        )
+    if r.mask is not None and r.mask.dtype == torch.bool:
+        t.masked_fill_(~r.mask, -torch.inf)
+    return t
+
+
+def _grouped_scores(
+    q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q (B, H, n, D) @ k (B, Hkv, S, D)^T -> (B, H, n, S) with query head h on key head
+    h // (H // Hkv): the heads sharing a key head are folded into rows, no copy of k."""
+    B, H, n, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    folded = q.reshape(B, Hkv, H // Hkv * n, D)
+    if out is None:
+        return torch.matmul(folded, k.transpose(-2, -1)).view(B, H, n, S)
+    torch.matmul(folded, k.transpose(-2, -1), out=out.view(B, Hkv, H // Hkv * n, S))
+    return out
