@@ -32,6 +32,7 @@ lint: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(PY) benchmarks/bench_core.py --json benchmarks/results/core.json
 	$(PY) benchmarks/bench_modules.py --json benchmarks/results/modules.json
+	$(PY) benchmarks/bench_weights.py --json benchmarks/results/weights.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -40,6 +40,7 @@ class Comparison:
     flop: float | None = None  # per call, for GFLOP/s
     calls_per_rep: int = 1  # >1 for calls too short to time one by one
     grad: bool = False  # time with autograd on (the call runs its own backward)
+    max_peak_mib: float | None = None  # what ours may add to the peak resident set
 
 
 def _time(fn: Callable[[], object], calls: int) -> float:
@@ -84,6 +85,7 @@ def run(comparisons: list[Comparison], quick: bool, memory: bool, script: str) -
                 "reps": reps,
                 "calls_per_rep": c.calls_per_rep,
                 "grad": c.grad,
+                "max_peak_mib": c.max_peak_mib if side == "ours" else None,
                 "peak_mib": (
                     peak_mib_in_subprocess([script, "--peak", c.case, side]) if memory else None
                 ),
@@ -106,6 +108,10 @@ def _line(row: dict) -> str:
     )
 
 
+def _ms(ms: float) -> str:
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def markdown(results: list[dict]) -> str:
     """The README's table: one line per comparison (ours beside its peer)."""
     peers = {(r["case"], r["impl"]): r for r in results if r["peer"] is None}
@@ -122,9 +128,12 @@ def markdown(results: list[dict]) -> str:
         if r["target"] is not None and r["ratio"] > r["target"]:
             target += " (missed)"
         mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f} / {p['peak_mib']:.0f}"
+        limit = r.get("max_peak_mib")
+        if limit is not None and r["peak_mib"] is not None:
+            mem += f" (<= {limit:.0f}{'' if r['peak_mib'] <= limit else ', missed'})"
         lines.append(
             f"| {r['shape']} | {r['dtype']} | `{r['impl']}` | `{r['peer']}` "
-            f"| {r['median_ms']:.3g} | {p['median_ms']:.3g} | {r['ratio']:.3f} | {target} "
+            f"| {_ms(r['median_ms'])} | {_ms(p['median_ms'])} | {r['ratio']:.3f} | {target} "
             f"| {mem} |"
         )
     return "\n".join(lines)
