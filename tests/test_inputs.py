@@ -23,7 +23,14 @@ def refuses(exc, pattern, *args, **kwargs):
 def test_not_a_tensor(qkv):
     q, k, v = qkv
     refuses(TypeError, r"key must be a torch.Tensor, got list", q, [1.0], v)
-    refuses(TypeError, r"mask must be None or a torch.Tensor .* got str", q, k, v, "causal")
+    refuses(
+        TypeError,
+        r"mask must be None, a torch.Tensor .* or an sdpa.masks object, got str",
+        q,
+        k,
+        v,
+        "causal",
+    )
 
 
 def test_too_few_dims(qkv):
@@ -111,7 +118,7 @@ def test_key_padding_hint_fits_the_inputs(gen):
 
 def test_mask_type_is_checked_before_autocast(qkv):
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        refuses(TypeError, r"mask must be None or a torch.Tensor .* got list", *qkv, [[True]])
+        refuses(TypeError, r"mask must be None, a torch.Tensor .* got list", *qkv, [[True]])
 
 
 def test_complex_mask(qkv):

@@ -1,5 +1,6 @@
 """sdpa: scaled dot-product attention for PyTorch that is fast and shows its work."""
 
+from sdpa import masks
 from sdpa.backends import NotSupportedError
 from sdpa.functional import AttentionResult, attention, scaled_dot_product_attention
 from sdpa.nn import MultiHeadAttention, PositionalEncoding, SpatialSelfAttention
@@ -15,6 +16,7 @@ __all__ = [
     "StaleWeightsError",
     "WeightsTooLargeError",
     "attention",
+    "masks",
     "scaled_dot_product_attention",
 ]
 __version__ = "0.1.0"

@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from sdpa import masks
+
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -32,7 +34,8 @@ class Inputs(NamedTuple):
     query: torch.Tensor  # (B, Hq, L, E)
     key: torch.Tensor  # (B, Hkv, S, E)
     value: torch.Tensor  # (B, Hkv, S, Ev)
-    mask: torch.Tensor | None  # bool (True = takes part) or float (added), -> (B, Hq, L, S)
+    mask: torch.Tensor | masks.Mask | None  # bool (True = takes part) or float (added),
+    # broadcasting to (B, Hq, L, S); or a structured mask (batch dim B, if any)
     causal: bool  # top-left: query i sees keys j <= i (identical to bottom-right if L == S)
     scale: float
     dropout_p: float
@@ -132,10 +135,19 @@ def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool)
 
 
 def _check_mask_type(mask: object) -> None:
-    if mask is not None and not isinstance(mask, torch.Tensor):
+    if mask is not None and not isinstance(mask, torch.Tensor | masks.Mask):
         raise TypeError(
-            f"mask must be None or a torch.Tensor (bool/int: nonzero takes part; float: added "
-            f"to the scores), got {type(mask).__name__}"
+            f"mask must be None, a torch.Tensor (bool/int: nonzero takes part; float: added "
+            f"to the scores) or an sdpa.masks object, got {type(mask).__name__}"
+        )
+
+
+def _check_structured(mask: masks.Mask, batch: tuple[int, ...], L: int, S: int) -> None:
+    mask.validate(L, S)
+    if mask.batch is not None and batch != (mask.batch,):
+        raise ValueError(
+            f"{mask!r} has a batch dim of {mask.batch}, so the inputs need exactly one batch "
+            f"dim of that size ((B, H, L, E) or (B, L, E)), got batch dims {batch}"
         )
 
 
@@ -272,7 +284,9 @@ def normalize(
         hq = hkv = 1
         lead = batch
 
-    if mask is not None:
+    if isinstance(mask, masks.Mask):
+        _check_structured(mask, batch, L, S)
+    elif mask is not None:
         mask = _normalize_mask(mask, query, lead, L, S)
     if causal and not torch_semantics and L != S:
         raise ValueError(
@@ -292,7 +306,7 @@ def normalize(
     q4 = _to_4d(query, batch, hq, has_heads)
     k4 = _to_4d(key, batch, hkv, has_heads)
     v4 = _to_4d(value, batch, hkv, has_heads)
-    if mask is not None:
+    if isinstance(mask, torch.Tensor):
         mask = _mask_to_4d(mask, batch, hq, has_heads, L, S)
     return Inputs(q4, k4, v4, mask, bool(causal), float(scale), float(dropout_p), lead)
 

@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from sdpa import masks
+
 LOG2E = 1.0 / math.log(2.0)
 # Rows whose |lse| exceeds this are recomputed by a plain log-softmax of their scores:
 # there a float32 LSE has lost digits (a row masked with a large finite bias such as -1e9
@@ -27,16 +29,18 @@ class Rows(NamedTuple):
     """Query rows of the weights, with what it takes to rebuild them.
 
     q (B, H, n, E); k (B, Hkv, S, E), query head h on key head h // (H // Hkv);
-    lse (B, H, n); mask (B|1, H|1, n, S) bool (True = takes part) or float (added), or
-    None; positions (n,): the rows' query positions under (top-left) causal masking,
-    else None.
+    lse (B, H, n); mask (B|1, H|1, n, S) bool (True = takes part) or float (added), a
+    structured mask (batch dim B, if any), or None; q_pos (n,): the rows' query
+    positions among the L of the attention; causal: top-left causal masking on top.
     """
 
     q: torch.Tensor
     k: torch.Tensor
     lse: torch.Tensor
-    mask: torch.Tensor | None
-    positions: torch.Tensor | None
+    mask: torch.Tensor | masks.Mask | None
+    q_pos: torch.Tensor
+    causal: bool
+    L: int
     scale: float
     dtype: torch.dtype  # compute dtype: float32 for 16-bit inputs
 
@@ -70,18 +74,30 @@ class Rows(NamedTuple):
         else:
             k = self.k[b : b + 1]
         mask = self.mask
-        if mask is not None:
+        if isinstance(mask, masks.Mask):
+            keep = mask.keep(self.q_pos[rows], _key_positions(self), self.L, self.k.shape[2])
+            mask = keep[b if keep.shape[0] > 1 else 0][None, None]  # (1, 1, r, S)
+        elif mask is not None:
             mb = slice(b, b + 1) if mask.shape[0] > 1 else slice(0, 1)
             mask = mask[mb, heads if mask.shape[1] > 1 else slice(0, 1), rows]
-        return Rows(
-            self.q[b : b + 1, heads, rows],
-            k,
-            self.lse[b : b + 1, heads, rows],
-            mask,
-            None if self.positions is None else self.positions[rows],
-            self.scale,
-            self.dtype,
+        return self._replace(
+            q=self.q[b : b + 1, heads, rows],
+            k=k,
+            lse=self.lse[b : b + 1, heads, rows],
+            mask=mask,
+            q_pos=self.q_pos[rows],
         )
+
+    def with_tensor_mask(self) -> Rows:
+        """A structured mask materialised for these rows: (B|1, 1, n, S) bool."""
+        if not isinstance(self.mask, masks.Mask):
+            return self
+        keep = self.mask.keep(self.q_pos, _key_positions(self), self.L, self.k.shape[2])
+        return self._replace(mask=keep[:, None])
+
+
+def _key_positions(r: Rows) -> torch.Tensor:
+    return torch.arange(r.k.shape[2], device=r.k.device)
 
 
 def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,6 +107,7 @@ def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor
     [c*scale*q_i, -c*lse_i] . [k_j, 1] = c*(s_ij - lse_i), c = log2(e). Rows with
     |lse| > EXACT_LSE_LIMIT are recomputed as c * log_softmax of their scores.
     """
+    r = r.with_tensor_mask()
     cd = r.dtype
     k = r.k.to(cd)
     q_aug = torch.cat([r.q.to(cd) * (r.scale * LOG2E), r.lse[..., None].to(cd) * -LOG2E], dim=-1)
@@ -181,10 +198,8 @@ def topk(r: Rows, k: int, budget: int = CHUNK_BYTES) -> tuple[torch.Tensor, torc
 
 def _exclude(t: torch.Tensor, r: Rows) -> torch.Tensor:
     """-inf, in place, where causality or a bool mask excludes a key."""
-    if r.positions is not None:  # top-left causal: the query at position p sees keys j <= p
-        t.masked_fill_(
-            torch.arange(t.shape[-1], device=t.device) > r.positions[:, None], -torch.inf
-        )
+    if r.causal:  # top-left: the query at position p sees keys j <= p
+        t.masked_fill_(torch.arange(t.shape[-1], device=t.device) > r.q_pos[:, None], -torch.inf)
     if r.mask is not None and r.mask.dtype == torch.bool:
         t.masked_fill_(~r.mask, -torch.inf)
     return t

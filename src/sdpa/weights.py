@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from sdpa import rows
+from sdpa import masks, rows
 from sdpa.inputs import Inputs, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
@@ -33,9 +33,12 @@ class WeightsTooLargeError(MemoryError):
     """The dense weights would exceed the memory budget asked for."""
 
 
-def _version(t: torch.Tensor | None) -> int | None:
-    # inference tensors carry no version counter: they cannot be checked
-    return None if t is None or t.is_inference() else t._version
+def _version(t: object) -> int | None:
+    # inference tensors carry no version counter: they cannot be checked; structured
+    # masks are immutable
+    if not isinstance(t, torch.Tensor) or t.is_inference():
+        return None
+    return t._version
 
 
 class AttentionWeights:
@@ -140,12 +143,22 @@ class AttentionWeights:
 
         heads, rows_ = _as_slice(head_idx), _as_slice(q_idx)
         k = _key_heads(pick(i.key, None, None), i.query.shape[1], heads)  # (B', Hkv', S, E)
+        q_pos = torch.arange(L, device=i.query.device)[rows_]
+        mask = i.mask
+        if isinstance(mask, masks.Mask):  # materialise just the selected rows
+            S = i.key.shape[2]
+            mask = mask.keep(q_pos, torch.arange(S, device=q_pos.device), L, S)[:, None]
+            mask = pick(mask, heads, None)  # (B', 1, n, S)
+        elif mask is not None:
+            mask = pick(mask, heads, rows_)  # (B'|1, H'|1, n, S)
         selection = rows.Rows(
             pick(i.query, heads, rows_),  # (B', H', n, E)
             k,
             pick(self._lse[..., None], heads, rows_)[..., 0],  # (B', H', n)
-            None if i.mask is None else pick(i.mask, heads, rows_),  # (B'|1, H'|1, n, S)
-            torch.arange(L, device=i.query.device)[rows_] if i.causal else None,
+            mask,
+            q_pos,
+            i.causal,
+            L,
             i.scale,
             i.compute_dtype,
         )
@@ -206,14 +219,17 @@ class AttentionWeights:
     def _rows(self) -> rows.Rows:
         i = self._inputs
         L = i.query.shape[-2]
-        positions = torch.arange(L, device=i.query.device) if i.causal else None
-        return rows.Rows(i.query, i.key, self._lse, i.mask, positions, i.scale, i.compute_dtype)
+        q_pos = torch.arange(L, device=i.query.device)
+        return rows.Rows(
+            i.query, i.key, self._lse, i.mask, q_pos, i.causal, L, i.scale, i.compute_dtype
+        )
 
     def _entropy_fused(self) -> torch.Tensor | None:
         """H_i = lse_i - scale * q_i . (P K)_i with one fused call (keys as values); None
         where the fused kernel can't serve or an additive mask needs sum_j p_ij b_ij."""
         i = self._inputs
-        if self._fused is None or (i.mask is not None and i.mask.dtype != torch.bool):
+        additive = isinstance(i.mask, torch.Tensor) and i.mask.dtype != torch.bool
+        if self._fused is None or additive:
             return None
         q, k = i.query.to(i.compute_dtype), i.key.to(i.compute_dtype)
         ran = self._fused(i._replace(query=q, key=k, value=k, dropout_p=0.0))

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from sdpa import masks
+from sdpa.backends import blocks
 from sdpa.backends.base import Backend
-from sdpa.inputs import Inputs
-
-Kernel = Callable[[Inputs, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+from sdpa.inputs import HALF_DTYPES, Inputs
 
 
 def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -47,21 +47,64 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _cpu_kernel(inputs: Inputs, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _cpu_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _cpu_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_KERNELS: dict[str, Kernel] = {"cpu": _cpu_kernel}
+
+
+def _prepare(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unit last strides and one head size: the smaller one zero-padded (zero features
+    add nothing to q.k, zero value columns are sliced off the output)."""
     q, k, v = _unit_stride(inputs.query), _unit_stride(inputs.key), _unit_stride(inputs.value)
     E, Ev = q.shape[-1], v.shape[-1]
-    if E < Ev:  # zero features add nothing to q.k
+    if E < Ev:
         q = F.pad(q, (0, Ev - E))  # (B, Hq, L, Ev)
         k = F.pad(k, (0, Ev - E))  # (B, Hkv, S, Ev)
     elif Ev < E:
         v = F.pad(v, (0, E - Ev))  # (B, Hkv, S, E)
-    out, lse = _cpu_op(q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale)
-    if Ev < E:
-        out = out[..., :Ev]  # (B, Hq, L, Ev)
-    return out, lse
+    return q, k, v
 
 
-_KERNELS: dict[str, Kernel] = {"cpu": _cpu_kernel}
+def _run_pieces(
+    inputs: Inputs, pieces: list[blocks.Piece], q, k, v, kernel: Kernel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel call per piece; pieces tile (batch, query rows) exactly once."""
+    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for p in pieces:
+        qp = q[p.batch, :, p.q0 : p.q1]  # (b, Hq, r, D)
+        if p.k1 == p.k0:  # sees no key: output 0, lse 0
+            out = qp.new_zeros(*qp.shape[:-1], v.shape[-1])
+            lse = qp.new_zeros(
+                qp.shape[:-1], dtype=torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+            )
+        else:
+            mask = _float_mask(blocks.keep(inputs, p), q.dtype) if p.masked else None
+            kp, vp = k[p.batch, :, p.k0 : p.k1], v[p.batch, :, p.k0 : p.k1]
+            out, lse = kernel(qp, kp, vp, mask, False, inputs.scale)
+        groups.setdefault((p.batch.start, p.batch.stop), []).append((out, lse))
+    outs = [torch.cat([o for o, _ in g], dim=2) for g in groups.values()]  # along queries
+    lses = [torch.cat([s for _, s in g], dim=2) for g in groups.values()]
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=0)  # along batch
+
+
+def _one_masked_call(pieces: list[blocks.Piece], S: int) -> bool:
+    """The plan is the plain call: every row, every key, with the mask."""
+    return len(pieces) == 1 and pieces[0].masked and (pieces[0].k0, pieces[0].k1) == (0, S)
+
+
+def _as_4d(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A materialised structured mask (L, S) or (B, 1, L, S) as (B|1, 1, L, S)."""
+    return mask if mask is None or mask.ndim == 4 else mask[None, None]
 
 
 class Fused(Backend):
@@ -77,7 +120,7 @@ class Fused(Backend):
                 f"dropout_p={inputs.dropout_p} > 0 on CPU (torch's fused CPU kernel has no dropout)"
             )
         mask = inputs.mask
-        if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+        if isinstance(mask, torch.Tensor) and mask.requires_grad and torch.is_grad_enabled():
             reasons.append(
                 "a float mask that requires grad (torch's fused kernel has no gradient for "
                 "attn_mask)"
@@ -87,5 +130,21 @@ class Fused(Backend):
         return reasons
 
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = _float_mask(inputs.mask, inputs.query.dtype)
-        return _KERNELS[inputs.query.device.type](inputs, mask)
+        kernel = _KERNELS[inputs.query.device.type]
+        q, k, v = _prepare(inputs)
+        Ev = inputs.value.shape[-1]
+        mask = inputs.mask
+        L, S = q.shape[2], k.shape[2]
+        if isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S):
+            out, lse = kernel(q, k, v, None, True, inputs.scale)  # the kernel's own causal
+            return out[..., :Ev], lse
+        occ = blocks.structure(inputs)
+        pieces = None if occ is None else blocks.plan(occ, L, S)
+        if pieces is None or _one_masked_call(pieces, S):
+            if isinstance(mask, masks.Mask):
+                mask = _as_4d(mask.materialize(L, S, q.device))
+            mask = _float_mask(mask, q.dtype)
+            out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale)
+        else:
+            out, lse = _run_pieces(inputs, pieces, q, k, v, kernel)
+        return out[..., :Ev], lse

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sdpa import masks
 from sdpa.backends.base import Backend
 from sdpa.inputs import Inputs
 
@@ -28,6 +29,9 @@ class Reference(Backend):
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
         cd = inputs.compute_dtype
+        if isinstance(mask, masks.Mask):
+            mask = mask.materialize(q.shape[2], k.shape[2], q.device)
+            mask = mask if mask.ndim == 4 else mask[None, None]  # (B|1, 1, L, S)
         group = q.shape[1] // k.shape[1]
         if group > 1:  # grouped-query attention: query head h uses key/value head h // group
             k = k.repeat_interleave(group, dim=1)  # (B, Hq, S, E)

@@ -1,0 +1,125 @@
+"""Block skipping for the fused backend: feed the kernel only the keys a block can see.
+
+Queries are cut into blocks of BLOCK_Q rows and keys into blocks of BLOCK_K. From the
+mask's block occupancy (EMPTY, PARTIAL, FULL) each query block gets the contiguous span
+of key blocks it can see: keys outside the span are skipped; a span of FULL blocks runs
+without a mask; otherwise the mask's slice for that span goes with it. Adjacent query
+blocks with the same span and kind are merged into one kernel call, so a mask without
+structure costs one call, as without this layer. Every query row is computed by exactly
+one call, so outputs, LSEs and gradients are exact with no merging step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from sdpa import masks
+from sdpa.inputs import Inputs
+
+BLOCK_Q, BLOCK_K = 256, 64
+
+
+class Piece(NamedTuple):
+    """One kernel call: batch rows `batch`, queries [q0, q1), keys [k0, k1)."""
+
+    batch: slice
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    masked: bool  # False: every key in the span is visible to every query
+
+
+def structure(inputs: Inputs) -> torch.Tensor | None:
+    """(Bm, nQ, nK) block occupancy of everything that masks these inputs (mask and
+    causal flag), or None where there is no structure to use (no mask, or a float mask)."""
+    mask, L, S = inputs.mask, inputs.query.shape[2], inputs.key.shape[2]
+    parts = []
+    if isinstance(mask, masks.Mask):
+        parts.append(mask.blocks(L, S, BLOCK_Q, BLOCK_K))
+    elif mask is not None and mask.dtype == torch.bool:
+        parts.append(_tensor_blocks(mask))
+    elif mask is not None:
+        return None  # additive float mask: no structure we can read cheaply
+    if inputs.causal:
+        parts.append(masks.causal("top-left").blocks(L, S, BLOCK_Q, BLOCK_K))
+    if not parts:
+        return None
+    occ = parts[0]
+    for p in parts[1:]:
+        occ = torch.minimum(occ, p)  # AND
+    return occ
+
+
+def plan(occ: torch.Tensor, L: int, S: int) -> list[Piece]:
+    """Kernel calls covering every query row once, from the block occupancy (Bm, nQ, nK)."""
+    pieces: list[Piece] = []
+    occ = occ.cpu()
+    for b in range(occ.shape[0]):
+        batch = slice(None) if occ.shape[0] == 1 else slice(b, b + 1)
+        for qi, row in enumerate(occ[b]):
+            seen = (row != masks.EMPTY).nonzero()
+            q0, q1 = qi * BLOCK_Q, min(L, (qi + 1) * BLOCK_Q)
+            if len(seen) == 0:
+                k0 = k1 = 0  # sees no key: output 0
+                masked = False
+            else:
+                lo, hi = int(seen[0]), int(seen[-1])
+                k0, k1 = lo * BLOCK_K, min(S, (hi + 1) * BLOCK_K)
+                masked = bool((row[lo : hi + 1] != masks.FULL).any())
+            last = pieces[-1] if pieces else None
+            if (
+                last
+                and last.batch == batch
+                and last.q1 == q0
+                and (last.k0, last.k1, last.masked)
+                == (
+                    k0,
+                    k1,
+                    masked,
+                )
+            ):
+                pieces[-1] = last._replace(q1=q1)
+            else:
+                pieces.append(Piece(batch, q0, q1, k0, k1, masked))
+    return pieces
+
+
+def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:
+    """Bool keep-mask of one piece, (B|1, H|1, q1 - q0, k1 - k0)."""
+    dev = inputs.query.device
+    q_pos = torch.arange(piece.q0, piece.q1, device=dev)
+    k_pos = torch.arange(piece.k0, piece.k1, device=dev)
+    L, S = inputs.query.shape[2], inputs.key.shape[2]
+    mask = inputs.mask
+    out = None
+    if isinstance(mask, masks.Mask):
+        out = mask.keep(q_pos, k_pos, L, S)[:, None]  # (Bm, 1, r, c)
+        out = out if out.shape[0] == 1 else out[piece.batch]
+    elif mask is not None:
+        m = mask if mask.shape[0] == 1 else mask[piece.batch]
+        out = m[:, :, piece.q0 : piece.q1, piece.k0 : piece.k1]
+    if inputs.causal:
+        band = (k_pos[None, :] <= q_pos[:, None])[None, None]  # top-left
+        out = band if out is None else out & band
+    return out
+
+
+def _tensor_blocks(mask: torch.Tensor) -> torch.Tensor:
+    """(Bm, nQ, nK) occupancy of a bool mask (Bm|1, H|1, L, S), read on its distinct
+    entries (a broadcast (B, 1, 1, S) padding mask costs O(B*S)), merged over heads."""
+    L, S = mask.shape[2:]
+    distinct = [1 if st == 0 else n for n, st in zip(mask.shape, mask.stride(), strict=True)]
+    base = mask.as_strided(distinct, mask.stride())
+    occ = masks.occupancy(
+        base, BLOCK_Q if distinct[2] == L else 1, BLOCK_K if distinct[3] == S else 1
+    )  # (Bm', Hm', nQ', nK')
+    occ = occ.expand(-1, -1, -(-L // BLOCK_Q), -(-S // BLOCK_K))
+    full = (occ == masks.FULL).all(dim=1)
+    empty = (occ == masks.EMPTY).all(dim=1)
+    out = torch.full(full.shape, masks.PARTIAL, dtype=torch.int8, device=mask.device)
+    out[full] = masks.FULL
+    out[empty] = masks.EMPTY
+    return out

@@ -1,0 +1,297 @@
+"""Structured masks: which keys each query sees, answered for any block of positions.
+
+A mask says True where a query *takes part* with a key (torch's bool convention). It
+answers for any range of query positions against any range of key positions, so the
+fused backend can skip key blocks a query block cannot see, run fully visible blocks
+without a mask, and pass a mask slice only where a block is partial. Combine masks with
+`&` and `|`; `materialize(L, S)` gives the whole view as a bool tensor.
+
+Alignment (causal, sliding_window) for L queries and S keys: "bottom-right" puts query i
+at key position i + S - L (FlashAttention >= 2.1, xFormers, KV-cache decoding);
+"top-left" at position i (torch's is_causal). They agree when L == S.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # block occupancy
+ALIGNS = ("bottom-right", "top-left")
+
+
+class Mask:
+    """Base class. Subclasses implement `keep` and may answer `blocks` analytically."""
+
+    batch: int | None = None  # size of the mask's batch dim, None if it has none
+
+    def keep(self, q_pos: torch.Tensor, k_pos: torch.Tensor, L: int, S: int) -> torch.Tensor:
+        """(Bm, len(q_pos), len(k_pos)) bool, Bm = batch or 1: True where query position
+        q_pos[r] sees key position k_pos[c], in an L x S attention."""
+        raise NotImplementedError
+
+    def blocks(self, L: int, S: int, bq: int, bk: int) -> torch.Tensor:
+        """(Bm, ceil(L/bq), ceil(S/bk)) occupancy of each block: EMPTY, PARTIAL or FULL.
+        Exact here (from keep); subclasses answer analytically, conservatively."""
+        keep = self.materialize(L, S).reshape(-1, L, S)  # (Bm, L, S)
+        return occupancy(keep, bq, bk)
+
+    def is_top_left_causal(self, L: int, S: int) -> bool:
+        """Whether this is exactly the top-left causal mask for L x S (the fused kernel
+        then runs its own causal path)."""
+        return False
+
+    def validate(self, L: int, S: int) -> None:
+        """Raise ValueError if this mask cannot describe an L x S attention."""
+
+    def materialize(self, L: int, S: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The whole mask: (L, S) bool, or (B, 1, L, S) for a mask with a batch dim."""
+        keep = self.keep(
+            torch.arange(L, device=device), torch.arange(S, device=device), L, S
+        )  # (Bm, L, S)
+        return keep[0] if self.batch is None else keep[:, None]
+
+    def __and__(self, other: Mask) -> Mask:
+        return _Combined(self, _check_mask(other), "and")
+
+    def __or__(self, other: Mask) -> Mask:
+        return _Combined(self, _check_mask(other), "or")
+
+
+def _check_mask(other: object) -> Mask:
+    if not isinstance(other, Mask):
+        raise TypeError(
+            f"masks combine with other sdpa.masks objects, got {type(other).__name__}; for a "
+            f"tensor, pass it as the mask (or materialize this one and combine tensors)"
+        )
+    return other
+
+
+def _offset(align: str, L: int, S: int) -> int:
+    return S - L if align == "bottom-right" else 0
+
+
+def _check_align(align: object) -> str:
+    if align not in ALIGNS:
+        raise ValueError(f"align must be 'bottom-right' or 'top-left', got {align!r}")
+    return align  # type: ignore[return-value]
+
+
+class _Band(Mask):
+    """Query at position p = i + offset sees keys j with p - size < j <= p."""
+
+    def __init__(self, size: int | None, align: str, name: str):
+        self.size, self.align, self._name = size, _check_align(align), name
+
+    def is_top_left_causal(self, L, S):
+        return self.size is None and (self.align == "top-left" or L == S)
+
+    def keep(self, q_pos, k_pos, L, S):
+        p = (q_pos + _offset(self.align, L, S))[:, None]  # (r, 1)
+        j = k_pos[None, :]  # (1, c)
+        keep = j <= p
+        if self.size is not None:
+            keep &= j > p - self.size
+        return keep[None]  # (1, r, c)
+
+    def blocks(self, L, S, bq, bk):
+        off = _offset(self.align, L, S)
+        q0 = torch.arange(0, L, bq)[:, None]  # first query of each block
+        q1 = torch.clamp(q0 + bq, max=L) - 1  # last query
+        k0 = torch.arange(0, S, bk)[None, :]
+        k1 = torch.clamp(k0 + bk, max=S) - 1
+        p_lo, p_hi = q0 + off, q1 + off
+        empty = k0 > p_hi  # every key after every query
+        full = k1 <= p_lo
+        if self.size is not None:
+            empty |= k1 <= p_lo - self.size  # every key before every window
+            full &= k0 > p_hi - self.size
+        out = torch.full(empty.shape, PARTIAL, dtype=torch.int8)
+        out[full] = FULL
+        out[empty] = EMPTY
+        return out[None]
+
+    def __repr__(self):
+        size = "" if self.size is None else f"{self.size}, "
+        return f"masks.{self._name}({size}align={self.align!r})"
+
+
+def causal(align: str = "bottom-right") -> Mask:
+    """Each query sees the keys at or before its own position.
+
+    L=2, S=5, align="bottom-right"     L=2, S=5, align="top-left"
+        1 1 1 1 0                          1 0 0 0 0
+        1 1 1 1 1                          1 1 0 0 0
+
+    With L > S and bottom-right, the first L - S queries see no key (their output is 0).
+    """
+    return _Band(None, align, "causal")
+
+
+def sliding_window(size: int, align: str = "bottom-right") -> Mask:
+    """Each query sees the `size` keys ending at its own position (itself included):
+    query at position p sees keys j with p - size < j <= p.
+
+    size=2, L=S=4
+        1 0 0 0
+        1 1 0 0
+        0 1 1 0
+        0 0 1 1
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int (keys per window), got {size!r}")
+    return _Band(size, align, "sliding_window")
+
+
+class _Padding(Mask):
+    def __init__(self, lengths: torch.Tensor):
+        self.lengths = lengths
+        self.batch = len(lengths)
+
+    def keep(self, q_pos, k_pos, L, S):
+        lengths = self.lengths.to(k_pos.device)
+        keep = k_pos[None, None, :] < lengths[:, None, None]  # (B, 1, c)
+        return keep.expand(self.batch, len(q_pos), len(k_pos))
+
+    def blocks(self, L, S, bq, bk):
+        k0 = torch.arange(0, S, bk)  # (nK,)
+        k1 = torch.clamp(k0 + bk, max=S)
+        n = self.lengths.cpu()[:, None]  # (B, 1)
+        out = torch.full((self.batch, len(k0)), PARTIAL, dtype=torch.int8)
+        out[k1[None, :] <= n] = FULL
+        out[k0[None, :] >= n] = EMPTY
+        return out[:, None, :].expand(self.batch, -(-L // bq), len(k0))
+
+    def __repr__(self):
+        return f"masks.padding({self.lengths.tolist()})"
+
+
+def padding(lengths: torch.Tensor | list[int]) -> Mask:
+    """Key padding: batch element b sees keys j < lengths[b]. Has a batch dim.
+
+    lengths=[3, 1], S=4, any L
+        b=0: 1 1 1 0        b=1: 1 0 0 0
+    """
+    lengths = torch.as_tensor(lengths)
+    if lengths.ndim != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise ValueError(
+            f"lengths must be a 1-D integer tensor or list (one length per batch element), "
+            f"got {lengths.dtype} of shape {tuple(lengths.shape)}"
+        )
+    if len(lengths) == 0 or (lengths < 0).any():
+        raise ValueError(f"lengths must be non-negative, one per batch element, got {lengths}")
+    return _Padding(lengths.long())
+
+
+class _Documents(Mask):
+    def __init__(self, q_ids: torch.Tensor, k_ids: torch.Tensor, batched: bool):
+        self.q_ids, self.k_ids = q_ids, k_ids  # (Bm, L), (Bm, S)
+        self.batch = q_ids.shape[0] if batched else None
+
+    def validate(self, L, S):
+        if self.q_ids.shape[-1] != L or self.k_ids.shape[-1] != S:
+            raise ValueError(
+                f"documents mask has ids for {self.q_ids.shape[-1]} queries and "
+                f"{self.k_ids.shape[-1]} keys, but the attention has L={L}, S={S}"
+            )
+
+    def _ids(self, L, S):
+        self.validate(L, S)
+        return self.q_ids, self.k_ids
+
+    def keep(self, q_pos, k_pos, L, S):
+        q_ids, k_ids = self._ids(L, S)
+        q = q_ids.to(q_pos.device)[:, q_pos]  # (Bm, r)
+        k = k_ids.to(k_pos.device)[:, k_pos]  # (Bm, c)
+        return q[:, :, None] == k[:, None, :]
+
+    def blocks(self, L, S, bq, bk):
+        q_ids, k_ids = self._ids(L, S)
+        q_lo, q_hi = _block_min_max(q_ids.cpu(), bq)  # (Bm, nQ)
+        k_lo, k_hi = _block_min_max(k_ids.cpu(), bk)  # (Bm, nK)
+        out = torch.full((q_ids.shape[0], len(q_lo[0]), len(k_lo[0])), PARTIAL, dtype=torch.int8)
+        one_doc = (q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :]
+        out[one_doc & (q_lo[:, :, None] == k_lo[:, None, :])] = FULL
+        disjoint = (q_hi[:, :, None] < k_lo[:, None, :]) | (k_hi[:, None, :] < q_lo[:, :, None])
+        out[disjoint] = EMPTY  # id ranges apart: no id in common
+        return out
+
+    def __repr__(self):
+        return f"masks.documents(<ids {tuple(self.q_ids.shape)}>)"
+
+
+def documents(q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> Mask:
+    """Packed sequences: query i sees key j iff q_ids[i] == k_ids[j]. ids are (L,) or
+    (B, L) (then the mask has a batch dim); k_ids defaults to q_ids (self-attention).
+
+    q_ids = k_ids = [0, 0, 1, 1, 1]
+        1 1 0 0 0
+        1 1 0 0 0
+        0 0 1 1 1
+        0 0 1 1 1
+        0 0 1 1 1
+    """
+    q_ids = torch.as_tensor(q_ids)
+    k_ids = q_ids if k_ids is None else torch.as_tensor(k_ids)
+    for name, ids in (("q_ids", q_ids), ("k_ids", k_ids)):
+        if ids.ndim not in (1, 2) or ids.is_floating_point():
+            raise ValueError(
+                f"{name} must be integer document ids of shape (L,) or (B, L), got "
+                f"{ids.dtype} of shape {tuple(ids.shape)}"
+            )
+    if q_ids.ndim != k_ids.ndim or (q_ids.ndim == 2 and q_ids.shape[0] != k_ids.shape[0]):
+        raise ValueError(
+            f"q_ids {tuple(q_ids.shape)} and k_ids {tuple(k_ids.shape)} must both be (L,) or "
+            f"both (B, L) with the same B"
+        )
+    return _Documents(
+        q_ids.reshape(-1, q_ids.shape[-1]), k_ids.reshape(-1, k_ids.shape[-1]), q_ids.ndim == 2
+    )
+
+
+class _Combined(Mask):
+    def __init__(self, a: Mask, b: Mask, op: str):
+        if a.batch is not None and b.batch is not None and a.batch != b.batch:
+            raise ValueError(f"cannot combine masks with batch {a.batch} and {b.batch}")
+        self.a, self.b, self.op = a, b, op
+        self.batch = a.batch if a.batch is not None else b.batch
+
+    def validate(self, L, S):
+        self.a.validate(L, S)
+        self.b.validate(L, S)
+
+    def keep(self, q_pos, k_pos, L, S):
+        a, b = self.a.keep(q_pos, k_pos, L, S), self.b.keep(q_pos, k_pos, L, S)
+        return (a & b) if self.op == "and" else (a | b)
+
+    def blocks(self, L, S, bq, bk):
+        a, b = self.a.blocks(L, S, bq, bk), self.b.blocks(L, S, bq, bk)
+        return torch.minimum(a, b) if self.op == "and" else torch.maximum(a, b)
+
+    def __repr__(self):
+        return f"({self.a!r} {'&' if self.op == 'and' else '|'} {self.b!r})"
+
+
+def occupancy(keep: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
+    """Block occupancy of a bool keep tensor (..., L, S) -> (..., nQ, nK)."""
+    *lead, L, S = keep.shape
+    nQ, nK = -(-L // bq), -(-S // bk)
+    pad = (0, nK * bk - S, 0, nQ * bq - L)
+    blocks_any = torch.nn.functional.pad(keep, pad, value=False)
+    blocks_all = torch.nn.functional.pad(keep, pad, value=True)
+    shape = (*lead, nQ, bq, nK, bk)
+    any_ = blocks_any.view(shape).any(dim=-1).any(dim=-2)
+    all_ = blocks_all.view(shape).all(dim=-1).all(dim=-2)
+    # padding rows/cols count as kept for `all`, so a block that is all padding past the
+    # end still reads FULL only where its real part is full
+    out = torch.full(any_.shape, PARTIAL, dtype=torch.int8, device=keep.device)
+    out[all_] = FULL
+    out[~any_] = EMPTY
+    return out
+
+
+def _block_min_max(ids: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block min and max of ids (Bm, N) in blocks of b -> each (Bm, ceil(N/b))."""
+    N = ids.shape[-1]
+    n = -(-N // b)
+    padded = torch.cat([ids, ids[:, -1:].expand(-1, n * b - N)], dim=-1).view(-1, n, b)
+    return padded.amin(dim=-1), padded.amax(dim=-1)

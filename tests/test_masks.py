@@ -1,0 +1,199 @@
+"""sdpa.masks: each mask against its hand-built dense twin, through every path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sdpa
+from sdpa import masks
+from sdpa.backends import blocks
+
+from conftest import make_inputs
+from oracle import oracle
+
+
+def twin_causal(L, S, align="bottom-right", size=None):
+    """Hand-built: query i at key position i + (S - L) (bottom-right) or i (top-left)."""
+    p = torch.arange(L)[:, None] + (S - L if align == "bottom-right" else 0)  # (L, 1)
+    j = torch.arange(S)[None, :]  # (1, S)
+    return (j <= p) & (j > p - size) if size is not None else j <= p
+
+
+def twin_padding(lengths, L, S):
+    keep = torch.zeros(len(lengths), 1, L, S, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        keep[b, :, :, :n] = True
+    return keep
+
+
+def twin_documents(q_ids, k_ids):
+    return torch.tensor(q_ids)[:, None] == torch.tensor(k_ids)[None, :]
+
+
+def test_bottom_right_causal_as_flash_attention_draws_it():
+    # flash-attention's docstring: L=2, S=5 bottom-right; L=5, S=2 (first 3 rows empty)
+    assert masks.causal().materialize(2, 5).int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert masks.causal().materialize(5, 2).int().tolist() == [
+        [0, 0], [0, 0], [0, 0], [1, 0], [1, 1]
+    ]  # fmt: skip
+    assert masks.causal("top-left").materialize(2, 5).int().tolist() == [
+        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("L,S", [(1, 1), (97, 130), (130, 97), (300, 300), (1, 700)])
+def test_materialize_equals_the_twins(L, S):
+    for align in masks.ALIGNS:
+        assert torch.equal(masks.causal(align).materialize(L, S), twin_causal(L, S, align))
+        for size in (1, 7, 64):
+            assert torch.equal(masks.sliding_window(size, align).materialize(L, S),
+                               twin_causal(L, S, align, size))  # fmt: skip
+    lengths = [S, max(0, S - 50), 1]
+    assert torch.equal(masks.padding(lengths).materialize(L, S), twin_padding(lengths, L, S))
+
+
+def mask_cases(L, S, B):
+    """(structured mask, its dense twin broadcasting to (B, 1, L, S))."""
+    g = torch.Generator().manual_seed(L * 1000 + S)
+    lengths = torch.randint(0, S + 1, (B,), generator=g).tolist()
+    lengths[0] = S
+    cases = [
+        (masks.causal(), twin_causal(L, S)),
+        (masks.causal("top-left"), twin_causal(L, S, "top-left")),
+        (masks.sliding_window(33), twin_causal(L, S, size=33)),
+        (masks.sliding_window(300, "top-left"), twin_causal(L, S, "top-left", 300)),
+        (masks.padding(lengths), twin_padding(lengths, L, S)),
+        (masks.causal() & masks.padding(lengths), twin_causal(L, S) & twin_padding(lengths, L, S)),
+        (
+            masks.sliding_window(40) | masks.padding([3] * B),
+            twin_causal(L, S, size=40) | twin_padding([3] * B, L, S),
+        ),
+    ]
+    if L == S:
+        ids = torch.sort(torch.randint(0, 4, (L,), generator=g)).values
+        cases.append((masks.documents(ids), twin_documents(ids.tolist(), ids.tolist())))
+        batch_ids = torch.sort(torch.randint(0, 3, (B, L), generator=g)).values
+        twin = torch.stack([twin_documents(r.tolist(), r.tolist()) for r in batch_ids])[:, None]
+        cases.append((masks.documents(batch_ids) & masks.causal(), twin & twin_causal(L, S)))
+    return cases
+
+
+SIZES = [(1, 1), (97, 130), (130, 97), (300, 300), (600, 600), (5, 700)]
+
+
+@pytest.mark.parametrize("L,S", SIZES)
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_attention_and_weights_equal_the_dense_twin(gen, L, S, backend):
+    B = 2
+    q, k, v, _ = make_inputs(gen, B=B, Hq=4, Hkv=2, L=L, S=S, E=40, Ev=24)
+    for mask, twin in mask_cases(L, S, B):
+        out, w = sdpa.attention(q, k, v, mask, backend=backend)
+        ref_out, ref_p = oracle(q, k, v, twin)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0, msg=repr(mask))
+        torch.testing.assert_close(w[:, :, ::7].double(), ref_p[:, :, ::7], atol=2e-5, rtol=0,
+                                   msg=repr(mask))  # fmt: skip
+        torch.testing.assert_close(w.sum().double(), ref_p.sum(-2), atol=1e-4, rtol=0)
+        plogp = torch.where(ref_p > 0, ref_p * ref_p.log(), torch.zeros_like(ref_p))
+        torch.testing.assert_close(w.entropy().double(), -plogp.sum(-1), atol=1e-4, rtol=0)
+        # the same mask as a dense bool tensor gives the same answer
+        torch.testing.assert_close(sdpa.attention(q, k, v, twin, backend=backend).output, out,
+                                   atol=1e-5, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("L,S", [(97, 130), (300, 300), (600, 600)])
+def test_gradients_through_block_skipping(gen, L, S):
+    q, k, v, _ = make_inputs(gen, B=2, Hq=2, L=L, S=S, E=16)
+    grad = torch.randn(2, 2, L, 16, generator=gen)
+    for mask, twin in mask_cases(L, S, 2):
+        ours = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+        sdpa.attention(*ours, mask).output.backward(grad)
+        oracle(*ref, twin)[0].backward(grad.double())
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a.grad.double(), b.grad, atol=1e-4, rtol=0, msg=repr(mask))
+
+
+@pytest.mark.parametrize("L,S", [(300, 300), (97, 130)])
+def test_drop_in_takes_masks(gen, L, S):
+    q, k, v, _ = make_inputs(gen, L=L, S=S)
+    for mask, twin in mask_cases(L, S, 2):
+        ours = sdpa.scaled_dot_product_attention(q, k, v, mask)
+        theirs = F.scaled_dot_product_attention(q, k, v, twin)
+        ref = oracle(q, k, v, twin)[0].float()
+        dead = ~twin.any(-1, keepdim=True).expand_as(ref)  # torch gives NaN there on some paths
+        torch.testing.assert_close(ours[~dead], theirs[~dead], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"attn_mask and is_causal=True were both given"):
+        sdpa.scaled_dot_product_attention(q, k, v, masks.causal(), is_causal=True)
+
+
+def test_modules_take_masks(gen):
+    m = sdpa.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 50, 32, generator=gen)
+    a = m(x, mask=masks.padding([50, 20])).output
+    b = m(x, mask=twin_padding([50, 20], 50, 50)).output
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("L,S", [(600, 600), (300, 700)])
+def test_dense_bool_tensors_get_block_skipping_too(gen, L, S):
+    """A plain bool tensor with structure is cut into pieces, exactly."""
+    q, k, v, _ = make_inputs(gen, B=2, Hq=2, L=L, S=S)
+    for mask, twin in mask_cases(L, S, 2):
+        inputs = sdpa.inputs.normalize(q, k, v, twin)
+        occ = blocks.structure(inputs)
+        assert occ is not None
+        ref = occ.clone()
+        structured = mask.blocks(L, S, blocks.BLOCK_Q, blocks.BLOCK_K).expand_as(ref)
+        # the analytic answer is never wrong, only sometimes more cautious
+        assert ((structured == ref) | (structured == masks.PARTIAL)).all(), repr(mask)
+
+
+def test_plan_skips_what_the_mask_excludes():
+    L = S = 4096
+    occ = masks.sliding_window(512).blocks(L, S, blocks.BLOCK_Q, blocks.BLOCK_K)
+    pieces = blocks.plan(occ, L, S)
+    assert len(pieces) == L // blocks.BLOCK_Q
+    assert max(p.k1 - p.k0 for p in pieces) <= 512 + blocks.BLOCK_Q
+    pad = blocks.plan(masks.padding([4096, 2048]).blocks(L, S, 256, 64), L, S)
+    assert [(p.q0, p.q1, p.k0, p.k1, p.masked) for p in pad] == [
+        (0, 4096, 0, 4096, False), (0, 4096, 0, 2048, False)
+    ]  # fmt: skip
+    docs = masks.documents(torch.arange(4096) // 1024)
+    assert [(p.k0, p.k1, p.masked) for p in blocks.plan(docs.blocks(L, S, 256, 64), L, S)] == [
+        (0, 1024, False), (1024, 2048, False), (2048, 3072, False), (3072, 4096, False)
+    ]  # fmt: skip
+    noise = torch.rand(L, S, generator=torch.Generator().manual_seed(0)) < 0.5
+    assert len(blocks.plan(masks.occupancy(noise[None], 256, 64), L, S)) == 1  # one plain call
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match=r"align must be 'bottom-right' or 'top-left'"):
+        masks.causal("left")
+    with pytest.raises(ValueError, match=r"size must be a positive int"):
+        masks.sliding_window(0)
+    with pytest.raises(ValueError, match=r"lengths must be a 1-D integer"):
+        masks.padding(torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"lengths must be non-negative"):
+        masks.padding([3, -1])
+    with pytest.raises(ValueError, match=r"q_ids must be integer document ids"):
+        masks.documents(torch.rand(5))
+    with pytest.raises(TypeError, match=r"masks combine with other sdpa.masks objects"):
+        masks.causal() & torch.ones(3, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"cannot combine masks with batch 2 and 3"):
+        masks.padding([1, 2]) & masks.padding([1, 2, 3])
+    q = torch.randn(3, 2, 5, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"batch dim of 2, so the inputs need exactly one batch "
+        r"dim of that size .* got batch dims \(3,\)",
+    ):
+        sdpa.attention(q, q, q, masks.padding([1, 2]))
+    with pytest.raises(
+        ValueError,
+        match=r"ids for 4 queries and 4 keys, but the attention has "
+        r"L=5, S=5",
+    ):
+        sdpa.attention(q, q, q, masks.documents(torch.arange(4)))
