@@ -33,6 +33,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/bench_core.py --json benchmarks/results/core.json
 	$(PY) benchmarks/bench_modules.py --json benchmarks/results/modules.json
 	$(PY) benchmarks/bench_weights.py --json benchmarks/results/weights.json
+	$(PY) benchmarks/bench_masks.py --json benchmarks/results/masks.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -41,6 +41,7 @@ class Comparison:
     calls_per_rep: int = 1  # >1 for calls too short to time one by one
     grad: bool = False  # time with autograd on (the call runs its own backward)
     max_peak_mib: float | None = None  # what ours may add to the peak resident set
+    memory: bool = True  # measure peak memory (False where setup itself is heavy: compiling)
 
 
 def _time(fn: Callable[[], object], calls: int) -> float:
@@ -87,7 +88,9 @@ def run(comparisons: list[Comparison], quick: bool, memory: bool, script: str) -
                 "grad": c.grad,
                 "max_peak_mib": c.max_peak_mib if side == "ours" else None,
                 "peak_mib": (
-                    peak_mib_in_subprocess([script, "--peak", c.case, side]) if memory else None
+                    peak_mib_in_subprocess([script, "--peak", c.case, side])
+                    if memory and c.memory
+                    else None
                 ),
             }
             results.append(row)
@@ -128,6 +131,8 @@ def markdown(results: list[dict]) -> str:
         if r["target"] is not None and r["ratio"] > r["target"]:
             target += " (missed)"
         mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f} / {p['peak_mib']:.0f}"
+        if r["peak_mib"] is not None and p["peak_mib"] is None:
+            mem = f"{r['peak_mib']:.0f} / -"
         limit = r.get("max_peak_mib")
         if limit is not None and r["peak_mib"] is not None:
             mem += f" (<= {limit:.0f}{'' if r['peak_mib'] <= limit else ', missed'})"

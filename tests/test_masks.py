@@ -197,3 +197,23 @@ def test_refusals():
         r"L=5, S=5",
     ):
         sdpa.attention(q, q, q, masks.documents(torch.arange(4)))
+
+
+@pytest.mark.parametrize("L,S,bq,bk", [(16, 16, 4, 4), (17, 23, 4, 8), (64, 64, 16, 8)])
+def test_occupancy_is_exact(L, S, bq, bk):
+    g = torch.Generator().manual_seed(L + S)
+    cases = [
+        torch.rand(2, L, S, generator=g) < 0.5,  # no structure
+        masks.causal().materialize(L, S)[None],
+        masks.sliding_window(5).materialize(L, S)[None],
+        torch.zeros(1, L, S, dtype=torch.bool),
+        torch.ones(1, L, S, dtype=torch.bool),
+    ]
+    for keep in cases:
+        occ = masks.occupancy(keep, bq, bk)
+        for b in range(keep.shape[0]):
+            for i in range(-(-L // bq)):
+                for j in range(-(-S // bk)):
+                    block = keep[b, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+                    want = masks.FULL if block.all() else masks.EMPTY if not block.any() else 1
+                    assert occ[b, i, j] == want

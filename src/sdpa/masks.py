@@ -272,20 +272,29 @@ class _Combined(Mask):
 
 
 def occupancy(keep: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
-    """Block occupancy of a bool keep tensor (..., L, S) -> (..., nQ, nK)."""
+    """Block occupancy of a bool keep tensor (..., L, S) -> (..., nQ, nK).
+
+    A block is PARTIAL as soon as it holds both values, so a sample of its rows can
+    prove it: a mask with no structure is recognised from 1/8 of its rows."""
     *lead, L, S = keep.shape
     nQ, nK = -(-L // bq), -(-S // bk)
-    pad = (0, nK * bk - S, 0, nQ * bq - L)
-    blocks_any = torch.nn.functional.pad(keep, pad, value=False)
-    blocks_all = torch.nn.functional.pad(keep, pad, value=True)
-    shape = (*lead, nQ, bq, nK, bk)
-    any_ = blocks_any.view(shape).any(dim=-1).any(dim=-2)
-    all_ = blocks_all.view(shape).all(dim=-1).all(dim=-2)
-    # padding rows/cols count as kept for `all`, so a block that is all padding past the
-    # end still reads FULL only where its real part is full
-    out = torch.full(any_.shape, PARTIAL, dtype=torch.int8, device=keep.device)
-    out[all_] = FULL
-    out[~any_] = EMPTY
+    if L % bq or S % bk:  # ragged edges: pad (False for `any`, True for `all`)
+        pad = (0, nK * bk - S, 0, nQ * bq - L)
+        shape = (*lead, nQ, bq, nK, bk)
+        hi = torch.nn.functional.pad(keep, pad, value=False).view(shape).any(-1).any(-2)
+        lo = torch.nn.functional.pad(keep, pad, value=True).view(shape).all(-1).all(-2)
+    else:
+        u = keep.contiguous().view(torch.uint8)
+        step = max(1, bq // 8)
+        sample = u[..., ::step, :].reshape(*lead, nQ, bq // step, nK, bk)
+        if (sample.amin(dim=(-3, -1)) != sample.amax(dim=(-3, -1))).all():
+            return torch.full((*lead, nQ, nK), PARTIAL, dtype=torch.int8, device=keep.device)
+        rows = u.view(*lead, L, nK, bk)
+        hi = rows.amax(dim=-1).view(*lead, nQ, bq, nK).amax(dim=-2).bool()  # any kept
+        lo = rows.amin(dim=-1).view(*lead, nQ, bq, nK).amin(dim=-2).bool()  # all kept
+    out = torch.full(hi.shape, PARTIAL, dtype=torch.int8, device=keep.device)
+    out[lo] = FULL
+    out[~hi] = EMPTY
     return out
 
 

@@ -70,17 +70,8 @@ def plan(occ: torch.Tensor, L: int, S: int) -> list[Piece]:
                 k0, k1 = lo * BLOCK_K, min(S, (hi + 1) * BLOCK_K)
                 masked = bool((row[lo : hi + 1] != masks.FULL).any())
             last = pieces[-1] if pieces else None
-            if (
-                last
-                and last.batch == batch
-                and last.q1 == q0
-                and (last.k0, last.k1, last.masked)
-                == (
-                    k0,
-                    k1,
-                    masked,
-                )
-            ):
+            same = (last.k0, last.k1, last.masked) == (k0, k1, masked) if last else False
+            if last and last.batch == batch and last.q1 == q0 and same:
                 pieces[-1] = last._replace(q1=q1)
             else:
                 pieces.append(Piece(batch, q0, q1, k0, k1, masked))
