@@ -15,15 +15,15 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
-	$(PIP) install -e '.[dev,plot]'
+	$(PIP) install -e '.[dev,plot,hf]'
 	touch $@
 
 demo: $(VENV)/.dev
-	$(PY) -m sdpa demo
+	HF_HUB_OFFLINE=1 $(PY) -m sdpa demo
 
 test: $(VENV)/.dev
 	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check src tests benchmarks

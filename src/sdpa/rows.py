@@ -103,26 +103,26 @@ def _key_positions(r: Rows) -> torch.Tensor:
 def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
     """log2 of the weights, (B, H, n, S): -inf where a key is excluded.
 
-    The LSE is folded into the GEMM, in base 2 (exp2 runs ~3x faster than exp on CPU):
-    [c*scale*q_i, -c*lse_i] . [k_j, 1] = c*(s_ij - lse_i), c = log2(e). Rows with
-    |lse| > EXACT_LSE_LIMIT are recomputed as c * log_softmax of their scores.
+    The scores are rounded as the fused kernel rounds the ones its LSE sums,
+    s = fl(q.k * scale) + bias, and s - lse is taken before anything else: near the large
+    weights s ~ lse and that subtraction is exact, so the weights keep the kernel's own
+    precision (a GEMM with the LSE folded in would cancel ~|lse| * eps later). Then *
+    log2(e), for exp2 (~3x faster than exp on CPU). Rows with |lse| > EXACT_LSE_LIMIT
+    are recomputed as log_softmax of their scores.
     """
     r = r.with_tensor_mask()
     cd = r.dtype
-    k = r.k.to(cd)
-    q_aug = torch.cat([r.q.to(cd) * (r.scale * LOG2E), r.lse[..., None].to(cd) * -LOG2E], dim=-1)
-    k_aug = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hkv, S, E+1)
-    t = _grouped_scores(q_aug, k_aug, out)  # (B, H, n, S)
+    t = _grouped_scores(r.q.to(cd), r.k.to(cd), out).mul_(r.scale)  # (B, H, n, S)
     if r.mask is not None and r.mask.dtype != torch.bool:
-        t.add_(r.mask, alpha=LOG2E)
-    _exclude(t, r)
+        t.add_(r.mask)
     inexact = r.lse.abs() > EXACT_LSE_LIMIT  # (B, H, n)
+    exact = None
     if inexact.any():
-        s = _grouped_scores(r.q.to(cd), k).mul_(r.scale)
-        if r.mask is not None and r.mask.dtype != torch.bool:
-            s.add_(r.mask)
-        exact = torch.log_softmax(_exclude(s, r), dim=-1).mul_(LOG2E)
+        exact = torch.log_softmax(_exclude(t.clone(), r), dim=-1).mul_(LOG2E)
         exact.nan_to_num_(nan=-torch.inf)  # rows that see no key
+    t.sub_(r.lse[..., None].to(cd)).mul_(LOG2E)
+    _exclude(t, r)
+    if exact is not None:
         torch.where(inexact[..., None], exact, t, out=t)
     return t
 
