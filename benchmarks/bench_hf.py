@@ -14,9 +14,9 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from harness import Comparison, main  # noqa: E402
+from harness import Comparison, main
 
 BATCH, LENGTH = 8, 512
 
