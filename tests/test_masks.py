@@ -217,3 +217,31 @@ def test_occupancy_is_exact(L, S, bq, bk):
                     block = keep[b, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
                     want = masks.FULL if block.all() else masks.EMPTY if not block.any() else 1
                     assert occ[b, i, j] == want
+
+
+def test_occupancy_of_awkward_block_sizes():
+    for bq in (17, 19, 26, 28):
+        assert masks.occupancy(torch.ones(1, bq, 4, dtype=torch.bool), bq, 4).tolist() == [
+            [[masks.FULL]]
+        ]
+
+
+def test_masks_copy_their_ids_so_weights_cannot_go_stale(gen):
+    q, k, v, _ = make_inputs(gen, L=6, S=6)
+    lengths, ids = torch.tensor([6, 6]), torch.tensor([0, 0, 0, 1, 1, 1])
+    for mask, data in ((masks.padding(lengths), lengths), (masks.documents(ids), ids)):
+        w = sdpa.attention(q, k, v, mask).weights
+        before = w.full()
+        data[0] = 2  # an in-place edit of the caller's tensor changes nothing
+        torch.testing.assert_close(w.full(), before)
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_a_batch_that_sees_nothing_keeps_its_graph(gen, backend):
+    q, k, v, _ = make_inputs(gen, B=1, Hq=1, L=8, S=8, E=4)
+    ts = [t.requires_grad_(True) for t in (q, k, v)]
+    for mask in (masks.padding([0]), torch.zeros(8, 8, dtype=torch.bool)):
+        out, _ = sdpa.attention(*ts, mask, backend=backend)
+        assert out.requires_grad and torch.equal(out, torch.zeros_like(out))
+        out.sum().backward()
+        assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in ts)

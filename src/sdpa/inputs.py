@@ -291,9 +291,9 @@ def normalize(
     if causal and not torch_semantics and L != S:
         raise ValueError(
             f"causal=True needs as many queries as keys, got L={L} and S={S}: for L != S "
-            f"the alignment is ambiguous. Pass the mask you mean instead: bottom-right "
-            f"(KV-cache decoding, FlashAttention) is torch.ones(L, S, dtype=torch.bool)"
-            f".tril(S - L); top-left (torch's is_causal) is .tril()"
+            f"the alignment is ambiguous. Pass the mask you mean instead: "
+            f"mask=sdpa.masks.causal(align='bottom-right') (KV-cache decoding, "
+            f"FlashAttention) or align='top-left' (torch's is_causal)"
         )
     scale = _check_scale(scale, E, torch_semantics)
     if (

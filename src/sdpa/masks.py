@@ -171,7 +171,7 @@ def padding(lengths: torch.Tensor | list[int]) -> Mask:
     lengths=[3, 1], S=4, any L
         b=0: 1 1 1 0        b=1: 1 0 0 0
     """
-    lengths = torch.as_tensor(lengths)
+    lengths = torch.as_tensor(lengths).clone()  # a mask never changes under the weights
     if lengths.ndim != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
         raise ValueError(
             f"lengths must be a 1-D integer tensor or list (one length per batch element), "
@@ -230,8 +230,8 @@ def documents(q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> Mask:
         0 0 1 1 1
         0 0 1 1 1
     """
-    q_ids = torch.as_tensor(q_ids)
-    k_ids = q_ids if k_ids is None else torch.as_tensor(k_ids)
+    q_ids = torch.as_tensor(q_ids).clone()  # a mask never changes under the weights
+    k_ids = q_ids if k_ids is None else torch.as_tensor(k_ids).clone()
     for name, ids in (("q_ids", q_ids), ("k_ids", k_ids)):
         if ids.ndim not in (1, 2) or ids.is_floating_point():
             raise ValueError(
@@ -285,7 +285,7 @@ def occupancy(keep: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
         lo = torch.nn.functional.pad(keep, pad, value=True).view(shape).all(-1).all(-2)
     else:
         u = keep.contiguous().view(torch.uint8)
-        step = max(1, bq // 8)
+        step = next(d for d in range(max(1, bq // 8), 0, -1) if bq % d == 0)  # ~8 rows/block
         sample = u[..., ::step, :].reshape(*lead, nQ, bq // step, nK, bk)
         if (sample.amin(dim=(-3, -1)) != sample.amax(dim=(-3, -1))).all():
             return torch.full((*lead, nQ, nK), PARTIAL, dtype=torch.int8, device=keep.device)

@@ -141,7 +141,8 @@ class Fused(Backend):
             return out[..., :Ev], lse
         occ = blocks.structure(inputs)
         pieces = None if occ is None else blocks.plan(occ, L, S)
-        if pieces is None or _one_masked_call(pieces, S):
+        if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
+            # (a plan with no kernel call at all would cut the output from autograd)
             if isinstance(mask, masks.Mask):
                 mask = _as_4d(mask.materialize(L, S, q.device))
             mask = _float_mask(mask, q.dtype)
