@@ -22,6 +22,9 @@ LOG2E = 1.0 / math.log(2.0)
 # there a float32 LSE has lost digits (a row masked with a large finite bias such as -1e9
 # or torch.finfo(dtype).min, or scores in the hundreds), so s - lse would be off.
 EXACT_LSE_LIMIT = 32.0
+# Tiles whose |lse| stays under this take the folded GEMM (error ~ eps * |lse| * a few,
+# < 5e-6 here); above it the scores mirror the kernel's rounding. See log2_probabilities.
+FOLD_LSE_LIMIT = 16.0
 CHUNK_BYTES = 64 * 2**20  # working memory of one tile
 
 
@@ -103,24 +106,37 @@ def _key_positions(r: Rows) -> torch.Tensor:
 def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
     """log2 of the weights, (B, H, n, S): -inf where a key is excluded.
 
-    The scores are rounded as the fused kernel rounds the ones its LSE sums,
-    s = fl(q.k * scale) + bias, and s - lse is taken before anything else: near the large
-    weights s ~ lse and that subtraction is exact, so the weights keep the kernel's own
-    precision (a GEMM with the LSE folded in would cancel ~|lse| * eps later). Then *
-    log2(e), for exp2 (~3x faster than exp on CPU). Rows with |lse| > EXACT_LSE_LIMIT
-    are recomputed as log_softmax of their scores.
+    Two ways to the same numbers, both ending in exp2 (~3x faster than exp on CPU):
+    - fold: the LSE folded into one GEMM, [c*scale*q_i, -c*lse_i] . [k_j, 1] =
+      c*(s_ij - lse_i), c = log2(e). Fastest; its rounding grows like eps * |lse|, so it
+      serves tiles whose |lse| <= FOLD_LSE_LIMIT.
+    - mirror: the scores rounded as the fused kernel rounds the ones its LSE sums,
+      s = fl(q.k * scale) + bias, then s - lse first (exact near the large weights,
+      where s ~ lse), then * c: the kernel's own precision, for three more passes.
+    Rows with |lse| > EXACT_LSE_LIMIT are recomputed as log_softmax of their scores.
     """
     r = r.with_tensor_mask()
-    cd = r.dtype
-    t = _grouped_scores(r.q.to(cd), r.k.to(cd), out).mul_(r.scale)  # (B, H, n, S)
-    if r.mask is not None and r.mask.dtype != torch.bool:
+    additive = r.mask is not None and r.mask.dtype != torch.bool
+    if not (r.lse.abs() > FOLD_LSE_LIMIT).any():
+        cd = r.dtype
+        k = r.k.to(cd)
+        q_aug = torch.cat(
+            [r.q.to(cd) * (r.scale * LOG2E), r.lse[..., None].to(cd) * -LOG2E], dim=-1
+        )  # (B, H, n, E+1)
+        k_aug = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hkv, S, E+1)
+        t = _grouped_scores(q_aug, k_aug, out)  # (B, H, n, S)
+        if additive:
+            t.add_(r.mask, alpha=LOG2E)
+        return _exclude(t, r)
+    t = _grouped_scores(r.q.to(r.dtype), r.k.to(r.dtype), out).mul_(r.scale)  # (B, H, n, S)
+    if additive:
         t.add_(r.mask)
     inexact = r.lse.abs() > EXACT_LSE_LIMIT  # (B, H, n)
     exact = None
     if inexact.any():
         exact = torch.log_softmax(_exclude(t.clone(), r), dim=-1).mul_(LOG2E)
         exact.nan_to_num_(nan=-torch.inf)  # rows that see no key
-    t.sub_(r.lse[..., None].to(cd)).mul_(LOG2E)
+    t.sub_(r.lse[..., None].to(r.dtype)).mul_(LOG2E)
     _exclude(t, r)
     if exact is not None:
         torch.where(inexact[..., None], exact, t, out=t)
