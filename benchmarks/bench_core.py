@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import sdpa
-from harness import Comparison, main
 from sdpa import listing
+from sdpa.benchmark import Comparison, main
 
 SHAPES = {"text": (1, 8, 4, 32), "unet": (1, 4, 4096, 32)}  # (B, H, L, E), from the seed
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

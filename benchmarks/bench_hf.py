@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from harness import Comparison, main
+from sdpa.benchmark import Comparison, main
 
 BATCH, LENGTH = 8, 512
 

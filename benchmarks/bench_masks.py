@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import sdpa
-from harness import Comparison, main
 from sdpa import masks
+from sdpa.benchmark import Comparison, main
 
 B, H, L, E = 1, 8, 4096, 64
 LENGTHS = [4096, 2048]

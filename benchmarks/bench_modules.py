@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import sdpa
-from harness import Comparison, main
 from sdpa import listing
+from sdpa.benchmark import Comparison, main
 
 D_MODEL, HEADS, L = 128, 4, 4096
 UNET = (1, 128, 64, 64)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import sdpa
-from harness import Comparison, main
+from sdpa.benchmark import Comparison, main
 
 SHAPE = (1, 4, 16384, 32)  # (B, H, L, E)
 

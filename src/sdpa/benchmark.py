@@ -1,6 +1,7 @@
 """Side-by-side timing: ours against a peer, interleaved, medians, ratios, JSON.
 
-A benchmark script lists `Comparison`s and calls `main(comparisons)`. Each side is a
+Used by `sdpa bench` and the scripts in benchmarks/. A benchmark lists `Comparison`s
+and calls `main(comparisons, script, doc)`. Each side is a
 setup function that builds its inputs (and modules) and returns the call to time, so
 the same setup serves the timing loop and the peak-memory subprocess: the script runs
 itself with `--peak CASE SIDE`, which sets up, takes the baseline, calls once, and
@@ -42,6 +43,7 @@ class Comparison:
     grad: bool = False  # time with autograd on (the call runs its own backward)
     max_peak_mib: float | None = None  # what ours may add to the peak resident set
     memory: bool = True  # measure peak memory (False where setup itself is heavy: compiling)
+    length: int | None = None  # sequence length, for plots of time against length
 
 
 def _time(fn: Callable[[], object], calls: int) -> float:
@@ -57,7 +59,9 @@ def _measure_peak(c: Comparison, side: str) -> None:
         print(peak_mib_of(fn))
 
 
-def run(comparisons: list[Comparison], quick: bool, memory: bool, script: str) -> list[dict]:
+def run(comparisons: list[Comparison], quick: bool, memory: bool, script: list[str]) -> list[dict]:
+    """Time every comparison; script: how to start this benchmark in a fresh process
+    (argv after the interpreter) for the peak-memory runs."""
     results = []
     for c in comparisons:
         names = {"ours": c.ours[0], "peer": c.peer[0]}
@@ -86,9 +90,10 @@ def run(comparisons: list[Comparison], quick: bool, memory: bool, script: str) -
                 "reps": reps,
                 "calls_per_rep": c.calls_per_rep,
                 "grad": c.grad,
+                "length": c.length,
                 "max_peak_mib": c.max_peak_mib if side == "ours" else None,
                 "peak_mib": (
-                    peak_mib_in_subprocess([script, "--peak", c.case, side])
+                    peak_mib_in_subprocess([*script, "--peak", c.case, side])
                     if memory and c.memory
                     else None
                 ),
@@ -191,3 +196,113 @@ def main(
             json.dump({"environment": env, "results": results}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
+
+
+# -- `sdpa bench`: the seed's shapes against every peer, and a length sweep ------------
+
+SEED_TEXT, SEED_UNET = (1, 8, 4, 32), (1, 4, 4096, 32)  # (B, H, L, E)
+SWEEP = (256, 1024, 4096)
+
+
+def _qkv(shape):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g) for _ in range(3)]
+
+
+def _side(name, fn, shape):
+    def setup():
+        q, k, v = _qkv(shape)
+        return lambda: fn(q, k, v)
+
+    return name, setup
+
+
+def _torch_math(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def _ours_with_weights(q, k, v):
+    out, w = sdpa.attention(q, k, v)
+    return out, w.full()
+
+
+def _mha_side(ours: bool, need_weights: bool, L: int):
+    def setup():
+        torch.manual_seed(0)
+        ref = torch.nn.MultiheadAttention(256, 8, batch_first=True).eval()
+        mine = sdpa.MultiHeadAttention.from_torch(ref).eval()
+        x = torch.randn(1, L, 256)
+        if ours:
+            return (lambda: mine(x).weights.full()) if need_weights else (lambda: mine(x).output)
+        return lambda: ref(x, x, x, need_weights=need_weights, average_attn_weights=False)
+
+    name = "sdpa.MultiHeadAttention" if ours else "nn.MultiheadAttention"
+    return f"{name}{' + weights' if need_weights else ''}", setup
+
+
+def seed_comparisons(quick: bool = False, max_length: int = 4096) -> list[Comparison]:
+    """The seed's text and U-Net shapes against every peer; MultiHeadAttention at the
+    seed's 8 heads of 32 over 256; a length sweep for the plot. Cases longer than
+    max_length are left out."""
+    from sdpa import listing
+
+    ours = ("sdpa.attention", lambda q, k, v: sdpa.attention(q, k, v).output)
+    peers = {
+        "F.sdpa (default)": torch.nn.functional.scaled_dot_product_attention,
+        "F.sdpa (MATH)": _torch_math,
+        "listing (output + p_attn)": listing.attention,
+    }
+    out = []
+    for case, shape in (("text", SEED_TEXT), ("unet", SEED_UNET)):
+        B, H, L, E = shape
+        for peer, fn in peers.items():
+            out.append(Comparison(
+                f"{case} vs {peer}", f"{case} {shape}", "float32", _side(*ours, shape),
+                _side(peer, fn, shape), flop=4 * B * H * L * L * E,
+                calls_per_rep=200 if L < 100 else 1, memory=case == "unet" or not quick,
+            ))  # fmt: skip
+    out.append(Comparison(
+        "unet weights", f"unet {SEED_UNET}", "float32",
+        _side("sdpa.attention + weights.full()", _ours_with_weights, SEED_UNET),
+        _side("listing (output + p_attn)", listing.attention, SEED_UNET),
+    ))  # fmt: skip
+    for need_weights in (False, True):
+        out.append(Comparison(
+            f"mha{' weights' if need_weights else ''}", "MHA 8 heads of 32 over 256, (1, 1024)",
+            "float32", _mha_side(True, need_weights, 1024), _mha_side(False, need_weights, 1024),
+            memory=not quick,
+        ))  # fmt: skip
+    out = [c for c in out if _length(c) <= max_length]
+    for L in (n for n in SWEEP if n <= max_length):
+        shape = (1, 4, L, 32)
+        for peer in ("F.sdpa (default)", "listing (output + p_attn)"):
+            out.append(Comparison(
+                f"sweep {L} vs {peer}", f"sweep {shape}", "float32", _side(*ours, shape),
+                _side(peer, peers[peer], shape), flop=4 * 4 * L * L * 32, memory=False, length=L,
+            ))  # fmt: skip
+    return out
+
+
+def _length(c: Comparison) -> int:
+    return 1024 if c.case.startswith("mha") else SEED_TEXT[2] if c.case.startswith("text") else 4096
+
+
+def seed_bench(quick: bool, max_length: int = 4096, json_path: str | None = None) -> list[dict]:
+    """`sdpa bench`: run, print the table, write JSON; returns the result rows."""
+    comparisons = seed_comparisons(quick, max_length)
+    env = environment()
+    print(f"environment: {env}")
+    results = run(comparisons, quick, memory=True, script=["-m", "sdpa.benchmark"])
+    print(markdown(results))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": env, "results": results}, f, indent=2)
+        print(f"wrote {json_path}")
+    return results
+
+
+if __name__ == "__main__":  # the peak-memory runs of `sdpa bench` start here
+    raise SystemExit(main(seed_comparisons(), ["-m", "sdpa.benchmark"], __doc__))
