@@ -80,12 +80,20 @@ def test_show_draws_any_text_and_refuses_bad_arguments(tmp_path):
     one = tmp_path / "one.png"
     assert run("-m", "sdpa", "show", "Hi there", "--head", "3", "--out", str(one)).returncode == 0
     assert png_size(one)[0] > 100
+    long = tmp_path / "long.png"  # 300 tokens: a picture of bounded size
+    assert run("-m", "sdpa", "show", " ".join(["word"] * 298), "--out", str(long)).returncode == 0
+    assert max(png_size(long)) < 4000
     for args, message in (
         (["x", "--layer", "9"], "--layer must be in 0..5, got 9"),
         (["   "], "TEXT is empty"),
+        (["\u200b"], "TEXT is empty"),
         (["x", "--head", "12"], "--head must be 'all' or in 0..11, got '12'"),
+        (["x", "--head", "\u00b2"], "--head must be 'all' or in 0..11"),
+        ([" ".join(["word"] * 600)], "TEXT has 602 tokens; all-MiniLM-L6-v2 reads at most 512"),
+        (["x", "--out", str(tmp_path / "x.txt")], "--out must be a .png file"),
     ):
-        r = run("-m", "sdpa", "show", *args, "--out", str(tmp_path / "no.png"))
+        r = run("-m", "sdpa", "show", *args, *([] if "--out" in args else
+                                               ["--out", str(tmp_path / "no.png")]))  # fmt: skip
         assert r.returncode == 2 and "Traceback" not in r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"sdpa show: error: {message}")
@@ -106,6 +114,25 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
         assert row["median_ms"] > 0 and row["ratio"] > 0
     assert png_size(png)[0] > 300
     assert "| text (1, 8, 4, 32) |" in r.stdout  # the table
+
+
+def test_command_refusals(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args, message, code in (
+        (["demo", "--size", "0"], "--size must be at least 8", 2),
+        (["demo", "--out", str(afile)], "--out must be a folder", 2),
+        (
+            ["bench", "--max-length", "10", "--plot", str(tmp_path / "p.png")],
+            "--plot needs the length sweep",
+            2,
+        ),
+        (["bench", "--plot", str(tmp_path / "p.pdf")], "--plot must be a .png file", 2),
+        (["bench", "--max-length", "4", "--json", str(afile / "x.json")], "afile", 1),
+    ):
+        r = run("-m", "sdpa", *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == code and len(lines) == 1 and message in lines[0], r.stderr
 
 
 def test_examples_run_as_scripts(tmp_path):

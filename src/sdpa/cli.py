@@ -17,10 +17,20 @@ def _progress(step: int, total: int, what: str) -> None:
     print(f"[{bar}] {step}/{total} {what}", file=sys.stderr, flush=True)
 
 
+def _png(path: str, flag: str = "--out") -> Path:
+    if not path.lower().endswith(".png"):
+        raise UsageError(f"{flag} must be a .png file, got {path!r}")
+    return Path(path)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sdpa.examples import minilm, unet_attention
 
+    if args.size < 8:
+        raise UsageError(f"--size must be at least 8 (pixels a side), got {args.size}")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out must be a folder, got the file {str(out)!r}")
     start = time.perf_counter()
     steps = [
         ('"How are you?" through the real MiniLM', lambda: minilm.phrase(out)),
@@ -40,23 +50,27 @@ def cmd_show(args: argparse.Namespace) -> int:
     from sdpa import plot
     from sdpa.examples import minilm
 
-    text = args.text.strip()
-    if not text:
-        raise UsageError("TEXT is empty: give a sentence, e.g. sdpa show 'How are you?'")
+    out = _png(args.out)
     cfg = minilm.config()  # check the arguments before loading any weights
-    layers = cfg.num_hidden_layers
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
     if not 0 <= args.layer < layers:
         raise UsageError(f"--layer must be in 0..{layers - 1}, got {args.layer}")
-    heads = cfg.num_attention_heads
-    if args.head != "all" and not (args.head.isdigit() and int(args.head) < heads):
+    if args.head != "all" and not (args.head.isdecimal() and int(args.head) < heads):
         raise UsageError(f"--head must be 'all' or in 0..{heads - 1}, got {args.head!r}")
-    tokens, weights = minilm.attention_of(text)
+    n = len(minilm.tokenizer()(args.text)["input_ids"]) if args.text.strip() else 0
+    if n <= 2:  # [CLS] and [SEP] only
+        raise UsageError("TEXT is empty: give a sentence, e.g. sdpa show 'How are you?'")
+    if n > cfg.max_position_embeddings:
+        raise UsageError(
+            f"TEXT has {n} tokens; all-MiniLM-L6-v2 reads at most {cfg.max_position_embeddings}"
+        )
+    tokens, weights = minilm.attention_of(args.text)
     p = weights[args.layer][0]  # (heads, L, L)
-    chosen = p if args.head == "all" else p[int(args.head) : int(args.head) + 1]
-    title = f'"{text}": layer {args.layer}, ' + (
-        "every head" if args.head == "all" else f"head {args.head}"
-    )
-    path = plot.heads_grid(chosen, tokens, tokens, title, Path(args.out))
+    chosen = range(heads) if args.head == "all" else [int(args.head)]
+    which = "every head" if args.head == "all" else f"head {args.head}"
+    short = args.text if len(args.text) <= 60 else args.text[:57] + "..."
+    path = plot.heads_grid(p[list(chosen)], tokens, tokens, f'"{short}": layer {args.layer}, '
+                           f"{which}", out, head_ids=list(chosen))  # fmt: skip
     print(f"wrote {path}")
     return 0
 
@@ -64,6 +78,16 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from sdpa import benchmark
 
+    if args.plot:
+        _png(args.plot, "--plot")
+        if args.max_length < min(benchmark.SWEEP):
+            raise UsageError(
+                f"--plot needs the length sweep: --max-length at least {min(benchmark.SWEEP)}, "
+                f"got {args.max_length}"
+            )
+    for path in (args.json, args.plot):  # fail now, not after the benchmark has run
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     results = benchmark.seed_bench(
         quick=args.quick, max_length=args.max_length, json_path=args.json
     )
@@ -122,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ImportError) as e:
         print(f"sdpa {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a folder that is a file, no permission, a full disk
+        print(f"sdpa {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -22,14 +22,22 @@ def _pyplot():
 
 
 def heads_grid(
-    weights: torch.Tensor, queries: Sequence[str], keys: Sequence[str], title: str, path: Path
+    weights: torch.Tensor,
+    queries: Sequence[str],
+    keys: Sequence[str],
+    title: str,
+    path: Path,
+    head_ids: Sequence[int] | None = None,
 ) -> Path:
-    """Heatmaps of weights (H, L, S), one per head, token labels on both axes."""
+    """Heatmaps of weights (H, L, S), one per head (named by head_ids), token labels on
+    both axes (up to 48 tokens; past that the axes count positions)."""
     plt = _pyplot()
     H = weights.shape[0]
+    head_ids = list(range(H)) if head_ids is None else list(head_ids)
     cols = min(H, 4 if H > 4 else H)
     rows = math.ceil(H / cols)
-    size = max(2.2, 0.28 * max(len(queries), len(keys)))
+    labelled = max(len(queries), len(keys)) <= 48
+    size = min(6.0, max(2.2, 0.28 * max(len(queries), len(keys))))  # inches per panel
     fig, axes = plt.subplots(rows, cols, figsize=(size * cols + 1.2, size * rows + 0.8),
                              squeeze=False, constrained_layout=True)  # fmt: skip
     image = None
@@ -38,9 +46,10 @@ def heads_grid(
             ax.axis("off")
             continue
         image = ax.imshow(weights[h].float().cpu(), cmap="viridis", vmin=0.0, vmax=1.0)
-        ax.set_title(f"head {h}", fontsize=9)
-        ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize=7)
-        ax.set_yticks(range(len(queries)), queries, fontsize=7)
+        ax.set_title(f"head {head_ids[h]}", fontsize=9)
+        if labelled:
+            ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize=7)
+            ax.set_yticks(range(len(queries)), queries, fontsize=7)
         if h % cols == 0:
             ax.set_ylabel("query", fontsize=8)
         if h >= H - cols:

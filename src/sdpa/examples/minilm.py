@@ -42,15 +42,22 @@ def config():
 
 
 @functools.cache
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path())
+
+
+@functools.cache
 def model_and_tokenizer():
     """(model on sdpa, tokenizer), loaded once, offline."""
     path = model_path()
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel
 
     import sdpa.integrations.transformers as sdpa_hf
 
     model = AutoModel.from_pretrained(path, attn_implementation=sdpa_hf.register()).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    return model, tokenizer()
 
 
 def attention_of(text: str):
