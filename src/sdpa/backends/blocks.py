@@ -98,14 +98,19 @@ def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:
     return out
 
 
+def distinct(t: torch.Tensor) -> torch.Tensor:
+    """The entries a broadcast view repeats: each stride-0 dim cut to size 1 (a view)."""
+    sizes = [1 if st == 0 else n for n, st in zip(t.shape, t.stride(), strict=True)]
+    return t.as_strided(sizes, t.stride())
+
+
 def _tensor_blocks(mask: torch.Tensor) -> torch.Tensor:
     """(Bm, nQ, nK) occupancy of a bool mask (Bm|1, H|1, L, S), read on its distinct
     entries (a broadcast (B, 1, 1, S) padding mask costs O(B*S)), merged over heads."""
     L, S = mask.shape[2:]
-    distinct = [1 if st == 0 else n for n, st in zip(mask.shape, mask.stride(), strict=True)]
-    base = mask.as_strided(distinct, mask.stride())
+    base = distinct(mask)
     occ = masks.occupancy(
-        base, BLOCK_Q if distinct[2] == L else 1, BLOCK_K if distinct[3] == S else 1
+        base, BLOCK_Q if base.shape[2] == L else 1, BLOCK_K if base.shape[3] == S else 1
     )  # (Bm', Hm', nQ', nK')
     occ = occ.expand(-1, -1, -(-L // BLOCK_Q), -(-S // BLOCK_K))
     full = (occ == masks.FULL).all(dim=1)

@@ -30,8 +30,7 @@ def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     """
     if mask is None or mask.dtype != torch.bool:
         return mask
-    distinct = [1 if st == 0 else n for n, st in zip(mask.shape, mask.stride(), strict=True)]
-    base = mask.as_strided(distinct, mask.stride())  # the entries the view repeats
+    base = blocks.distinct(mask)
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     bias = torch.where(base, zero, zero - torch.inf)  # one pass, no inverted copy
     return bias.expand(mask.shape)
