@@ -1,0 +1,116 @@
+"""The ring's communication: a header check before any work, then neighbour transfers,
+every wait bounded by a timeout so that a rank that fails or never comes gives an error
+on the others instead of a hang.
+
+Everything here is a collective of the process group: every rank calls it in the same
+order. After an error the group's connections may be closed; start a fresh group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+HEADER_BYTES = 4096
+
+
+class RingError(RuntimeError):
+    """The ranks disagree about the call, or another rank failed."""
+
+
+class RingTimeoutError(RingError, TimeoutError):
+    """A peer did not answer within the timeout."""
+
+
+class Ring:
+    """This rank's place in the group's ring: it receives from `prev`, sends to `next`."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ring attention needs torch.distributed initialised: call "
+                "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets "
+                "the environment for it)"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.next = (self.rank + 1) % self.world
+        self.prev = (self.rank - 1) % self.world
+        self.timeout = timeout
+        self.bytes_sent = 0
+        # p2p ops take global ranks
+        self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
+
+    def _wait(self, works, what: Callable[[], str]) -> None:
+        try:
+            for w in works:
+                w.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            said = str(e).lower()
+            kind = RingTimeoutError if "timeout" in said or "timed out" in said else RingError
+            raise kind(f"rank {self.rank}: {what()} ({e})") from None
+
+    def agree(self, header: dict, device: torch.device) -> list[dict]:
+        """Every rank's header (a small JSON-able dict), in rank order. A header with
+        an "error" entry makes every rank raise, naming the rank that failed."""
+        text = json.dumps(header).encode()[: HEADER_BYTES - 1]
+        mine = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
+        mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        work = dist.all_gather(every, mine, group=self.group, async_op=True)
+        self._wait(
+            [work],
+            lambda: (
+                f"not every rank of the group reached ring attention within "
+                f"{self.timeout} s (a rank failed before it, or does not call it)"
+            ),
+        )
+        headers = []
+        for t in every:
+            raw = bytes(t.cpu().tolist()).rstrip(b"\0")
+            headers.append(json.loads(raw.decode()))
+        failed = [(r, h["error"]) for r, h in enumerate(headers) if "error" in h]
+        if failed and "error" not in header:
+            rank, message = failed[0]
+            raise RingError(f"rank {self.rank}: rank {rank} failed: {message}")
+        return headers
+
+    def start_rotate(self, send: torch.Tensor, recv: torch.Tensor) -> list:
+        """Send `send` to the next rank and receive the previous rank's into `recv`,
+        without waiting: the transfer overlaps whatever runs before `finish`."""
+        ops = [
+            dist.P2POp(dist.isend, send, self._global[self.next], self.group),
+            dist.P2POp(dist.irecv, recv, self._global[self.prev], self.group),
+        ]
+        self.bytes_sent += send.numel() * send.element_size()
+        return dist.batch_isend_irecv(ops)
+
+    def finish(self, works: list, step: int) -> None:
+        self._wait(
+            works,
+            lambda: (
+                f"ring step {step}: no shard from rank {self.prev} (or none taken by "
+                f"rank {self.next}) within {self.timeout} s; a rank failed or called with other "
+                f"arguments"
+            ),
+        )
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of t over the ranks, in place."""
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        self._wait([work], lambda: f"the sum over ranks did not finish within {self.timeout} s")
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's t (same shape everywhere), in rank order."""
+        every = [torch.empty_like(t) for _ in range(self.world)]
+        work = dist.all_gather(every, t.contiguous(), group=self.group, async_op=True)
+        self._wait([work], lambda: f"the gather over ranks did not finish within {self.timeout} s")
+        return every

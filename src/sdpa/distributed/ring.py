@@ -1,0 +1,262 @@
+"""ring_attention: attention over a sequence sharded across the ranks of a process group.
+
+Each rank holds a shard of the queries and of the keys/values. Key/value shards travel
+around the ring (rank r sends to r+1, receives from r-1), the next transfer running
+while the current shard is attended to; the partial results of each shard are merged
+exactly by their log-sum-exps. The backward pass is a second ring: each shard's dK/dV
+accumulate as it travels and arrive home after one more hop.
+
+Per rank the forward holds its shards, two key/value buffers (the one attended to and
+the one arriving) and the output accumulator: memory falls as 1/ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from sdpa import masks
+from sdpa.distributed import kernels, plan
+from sdpa.distributed.comm import Ring, RingError
+from sdpa.distributed.layout import check_layout, runs
+from sdpa.distributed.weights import RingWeights
+from sdpa.functional import AttentionResult
+from sdpa.inputs import HALF_DTYPES, normalize
+
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for its peers before raising
+
+
+class _Setup(NamedTuple):
+    """What every ring step needs (the same on every rank but `ring.rank`)."""
+
+    ring: Ring
+    n: int  # queries per shard
+    m: int  # keys per shard
+    mask: masks.Mask | None
+    causal: bool
+    scale: float
+    layout: str
+
+    @property
+    def L(self) -> int:
+        return self.n * self.ring.world
+
+    @property
+    def S(self) -> int:
+        return self.m * self.ring.world
+
+    def calls(self, src: int, device: torch.device):
+        world = self.ring.world
+        q_runs = runs(self.n, self.ring.rank, world, self.layout)
+        k_runs = runs(self.m, src, world, self.layout)
+        return plan.calls(q_runs, k_runs, self.mask, self.causal, self.L, self.S, device)
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k and v in one flat buffer: one message per ring step."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    nk = math.prod(k_shape)
+    return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
+
+
+def _merge(acc, acc_lse, out, lse) -> None:
+    """Fold one block's (out, lse) into the running ones, in place; lse -inf = no key."""
+    new = torch.logaddexp(acc_lse, lse)
+    old_share = torch.exp(acc_lse - new).nan_to_num_(nan=0.0)  # -inf - -inf: no key yet
+    new_share = torch.exp(lse - new).nan_to_num_(nan=0.0)
+    acc.mul_(old_share[..., None]).add_(out.to(acc.dtype) * new_share[..., None])
+    acc_lse.copy_(new)
+
+
+def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Hq, n, D), k and v (B, Hkv, m, D) -> out (B, Hq, n, D), lse (B, Hq, n)."""
+    ring = setup.ring
+    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    acc = torch.zeros(q.shape, dtype=cd, device=q.device)  # (B, Hq, n, D)
+    acc_lse = torch.full(q.shape[:-1], -torch.inf, dtype=cd, device=q.device)  # (B, Hq, n)
+    kv = _pack(k, v)
+    spare = torch.empty_like(kv)
+    for step in range(ring.world):
+        works = ring.start_rotate(kv, spare) if step < ring.world - 1 else []
+        kk, vv = _unpack(kv, k.shape, v.shape)
+        for c in setup.calls((ring.rank - step) % ring.world, q.device):
+            out, lse = kernels.forward(
+                q[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols],
+                plan.bias(c.keep, q.dtype), c.causal, setup.scale,
+            )  # fmt: skip
+            if c.alive is not None:  # rows that saw no key here: lse 0 from the kernel
+                lse = lse.masked_fill(~c.alive[:, None], -torch.inf)
+            _merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
+        if works:
+            ring.finish(works, step)
+            kv, spare = spare, kv
+    lse = acc_lse.masked_fill(torch.isneginf(acc_lse), 0.0)  # rows that saw no key anywhere
+    return acc.to(q.dtype), lse
+
+
+def _ring_backward(setup: _Setup, q, k, v, out, lse, dout):
+    """The gradients of q, k and v; dK/dV travel with their shard and come home."""
+    ring = setup.ring
+    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    dq = torch.zeros(q.shape, dtype=cd, device=q.device)
+    kv = _pack(k, v)
+    spare = torch.empty_like(kv)
+    dkv = torch.zeros(kv.shape, dtype=cd, device=q.device)  # the visiting shard's dK, dV
+    dspare = torch.empty_like(dkv)
+    dout = dout.contiguous()
+    for step in range(ring.world):
+        works = ring.start_rotate(kv, spare) if step < ring.world - 1 else []
+        kk, vv = _unpack(kv, k.shape, v.shape)
+        dk, dv = _unpack(dkv, k.shape, v.shape)
+        for c in setup.calls((ring.rank - step) % ring.world, q.device):
+            r = c.rows
+            gq, gk, gv = kernels.backward(
+                dout[:, :, r], q[:, :, r], kk[:, :, c.cols], vv[:, :, c.cols],
+                out[:, :, r], lse[:, :, r].contiguous(),
+                plan.bias(c.keep, q.dtype), c.causal, setup.scale,
+            )  # fmt: skip
+            dq[:, :, r] += gq
+            dk[:, :, c.cols] += gk
+            dv[:, :, c.cols] += gv
+        dworks = ring.start_rotate(dkv, dspare)  # one hop more than K/V: home at the end
+        if works:
+            ring.finish(works, step)
+            kv, spare = spare, kv
+        ring.finish(dworks, step)
+        dkv, dspare = dspare, dkv
+    dk, dv = _unpack(dkv, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, setup):
+        out, lse = _ring_forward(setup, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.setup = setup
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.setup, q, k, v, out, lse, dout)
+        return dq, dk, dv, None
+
+
+def _header(query, key, value, mask, causal, scale, layout, world) -> dict:
+    """This rank's view of the call, validated; what every rank must agree on."""
+    if mask is not None and not isinstance(mask, masks.Mask):
+        raise TypeError(
+            f"ring_attention takes a structured mask (sdpa.masks: padding, documents, "
+            f"causal, sliding_window and their combinations), which every rank evaluates at "
+            f"its own positions; got {type(mask).__name__}. For key padding use "
+            f"sdpa.masks.padding(lengths)"
+        )
+    check_layout(layout)
+    inputs = normalize(query, key, value, None, scale=scale)
+    n, m = inputs.query.shape[2], inputs.key.shape[2]
+    if causal and n != m:
+        raise ValueError(
+            f"causal=True needs as many queries as keys per shard, got query {n} and key {m} "
+            f"positions along dim -2"
+        )
+    for name, length in (("query", n), ("key", m)):
+        if layout == "zigzag" and length % 2:
+            raise ValueError(
+                f"layout='zigzag' needs an even shard length (two chunks per rank), got "
+                f"{name} shards of {length}; pad the sequence to a multiple of {2 * world}"
+            )
+    if mask is not None:
+        mask.validate(n * world, m * world)
+        B = math.prod(inputs.query.shape[:1])
+        if mask.batch is not None and mask.batch != B:
+            raise ValueError(f"mask has a batch dim of {mask.batch}, the inputs have {B}")
+    return {
+        "query": list(query.shape),
+        "key": list(key.shape),
+        "value": list(value.shape),
+        "dtype": str(query.dtype),
+        "device": query.device.type,
+        "causal": bool(causal),
+        "scale": inputs.scale,
+        "layout": layout,
+        "mask": repr(mask),
+    }
+
+
+def _check_agreement(headers: list[dict], rank: int) -> None:
+    differ = [key for key in headers[0] if any(h.get(key) != headers[0][key] for h in headers)]
+    if differ:
+        seen = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r} {h.get(key)}" for r, h in enumerate(headers))
+            for key in differ
+        )
+        raise RingError(
+            f"rank {rank}: the ranks called ring_attention with different arguments ({seen}). "
+            f"Every rank passes a shard of the same shape (the sequence cut into equal "
+            f"parts along dim -2) with the same dtype, mask, causal, scale and layout"
+        )
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: masks.Mask | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    group=None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> AttentionResult:
+    """Attention over a sequence sharded along dim -2 across the ranks of `group`.
+
+    Shapes, per rank: query (..., n, E), key (..., m, E), value (..., m, Ev) -> output
+    (..., n, Ev), this rank's rows of what `sdpa.attention` gives on the whole sequence
+    (L = n * ranks queries, S = m * ranks keys); weights: lazy (..., n, S). Leading dims
+    as in `sdpa.attention` (heads at dim -3 of 4-D inputs, GQA when key/value heads
+    divide query heads).
+
+    layout: how the sequence was cut ("contiguous", or "zigzag" to balance causal work;
+    see sdpa.distributed.shard). mask: a structured mask (sdpa.masks) over the whole
+    sequence's positions. causal: query i sees keys j <= i (global positions). A
+    collective: every rank of `group` calls it with shards of the same shape, and
+    backward through the output is a collective too. Every wait ends after `timeout`
+    seconds with RingTimeoutError; ranks that disagree, or a rank whose arguments are
+    invalid, make every rank raise.
+    """
+    ring = Ring(group, timeout)
+    error, header = None, None
+    try:
+        header = _header(query, key, value, mask, causal, scale, layout, ring.world)
+    except (TypeError, ValueError) as e:
+        error, header = e, {"error": f"{type(e).__name__}: {e}"}
+    device = query.device if isinstance(query, torch.Tensor) else torch.device("cpu")
+    headers = ring.agree(header, device)
+    if error is not None:
+        raise error
+    _check_agreement(headers, ring.rank)
+
+    inputs = normalize(query, key, value, None, scale=scale)
+    q, k, v = inputs.query, inputs.key, inputs.value  # (B, Hq, n, E), (B, Hkv, m, E|Ev)
+    E, Ev = q.shape[-1], v.shape[-1]
+    if E < Ev:  # one head size for the kernels: zero features change no score
+        q, k = F.pad(q, (0, Ev - E)), F.pad(k, (0, Ev - E))
+    elif Ev < E:
+        v = F.pad(v, (0, E - Ev))
+    setup = _Setup(ring, q.shape[2], k.shape[2], mask, bool(causal), inputs.scale, layout)
+    out, lse = _RingFunction.apply(q, k, v, setup)
+    out = out[..., :Ev].reshape(*inputs.lead, q.shape[2], Ev)  # (..., n, Ev)
+    rule = masks.causal("top-left") if causal else None
+    if mask is not None:
+        rule = mask if rule is None else mask & rule
+    weights = RingWeights(ring, query, key, lse, inputs.lead, rule, inputs.scale, layout)
+    return AttentionResult(out, weights)

@@ -1,0 +1,199 @@
+"""Worker processes for the ring attention tests: a gloo group that stays up for many
+cases, each checked on every rank against single-process sdpa.attention."""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import sdpa
+from sdpa import distributed as sd
+from sdpa import masks
+
+
+def worker(rank: int, world: int, port: int, tasks, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        name, kwargs = task
+        try:
+            results.put((rank, None, CASES[name](rank, world, **kwargs)))
+        except Exception as e:  # reported to the test, which fails with it
+            results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
+    dist.destroy_process_group()
+
+
+def _inputs(seed, B, Hq, Hkv, L, S, E, Ev, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, L, E, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, E, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, Ev, generator=g).to(dtype)
+    grad = torch.randn(B, Hq, L, Ev, generator=g).to(dtype)
+    return q, k, v, grad
+
+
+def _mask(kind, B, L, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    if kind is None:
+        return None
+    if kind == "padding":  # some batch element with every key padded in the last shards
+        return masks.padding(torch.randint(1, L + 1, (B,), generator=g))
+    if kind == "documents":
+        ids = torch.sort(torch.randint(0, 4, (B, L), generator=g), dim=-1).values
+        return masks.documents(ids)
+    if kind == "window":
+        return masks.sliding_window(5) & masks.padding(torch.full((B,), L - 3))
+    if kind == "dead":  # documents whose query ids never occur among the keys
+        q_ids = torch.arange(L) % 3
+        return masks.documents(q_ids, torch.where(q_ids == 2, 0, q_ids))
+    raise ValueError(kind)
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def compare(
+    rank, world, *, seed, layout="contiguous", causal=False, mask=None, B=2, Hq=4, Hkv=None,
+    n=8, m=None, E=8, Ev=None, scale=None, dtype="float32", grad=False, three_d=False,
+):  # fmt: skip
+    """This rank's output, LSE (and gradients) against sdpa.attention on the whole
+    sequence: the largest errors, for the test to judge."""
+    dtype = getattr(torch, dtype)
+    Hkv, m, Ev = Hkv or Hq, m or n, Ev or E
+    L, S = n * world, m * world
+    q, k, v, g = _inputs(seed, B, Hq, Hkv, L, S, E, Ev, dtype)
+    if three_d:
+        q, k, v, g = q[:, 0], k[:, 0], v[:, 0], g[:, 0]
+    mk = _mask(mask, B, L, seed)
+    whole = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    ref = sdpa.attention(*whole, mk, causal=causal, scale=scale)
+
+    def cut(t):
+        return sd.shard(t, rank, world, layout=layout).detach().clone().requires_grad_(grad)
+
+    parts = [cut(t) for t in (q, k, v)]
+    ours = sd.ring_attention(*parts, mk, causal=causal, scale=scale, layout=layout, timeout=60)
+    errors = {
+        "out": _max_err(ours.output, sd.shard(ref.output, rank, world, layout=layout)),
+        "lse": _max_err(ours.weights.lse, sd.shard(ref.weights.lse[..., None], rank, world,
+                                                  layout=layout)[..., 0]),
+    }  # fmt: skip
+    if grad:
+        (ref.output * g).sum().backward()
+        (ours.output * sd.shard(g, rank, world, layout=layout)).sum().backward()
+        for name, mine, full in zip("qkv", parts, whole, strict=True):
+            errors[f"d{name}"] = _max_err(
+                mine.grad, sd.shard(full.grad, rank, world, layout=layout)
+            )
+    return errors
+
+
+def weights(rank, world, *, seed, layout="contiguous", causal=False, mask=None, Hkv=2):
+    """Rows, entropy, top-k and received sums of this rank against the single-process
+    weights."""
+    B, Hq, n, E = 2, 4, 8, 8
+    L = n * world
+    q, k, v, _ = _inputs(seed, B, Hq, Hkv, L, L, E, E, torch.float32)
+    mk = _mask(mask, B, L, seed)
+    ref = sdpa.attention(q, k, v, mk, causal=causal).weights
+    ours = sd.ring_attention(
+        *(sd.shard(t, rank, world, layout=layout) for t in (q, k, v)), mk,
+        causal=causal, layout=layout, timeout=60,
+    ).weights  # fmt: skip
+    pos = sd.positions(n, rank, world, layout)
+    dense = ref.full()  # (B, Hq, L, S)
+    i = int(torch.randint(n, (1,), generator=torch.Generator().manual_seed(seed + rank)))
+    values, indices = ours.topk(3)
+    ref_values, _ = ref.topk(3)
+    return {
+        "shape": int(ours.shape != torch.Size((B, Hq, n, L))),
+        "row": _max_err(ours[1, :, i], dense[1, :, pos[i]]),
+        "rows": _max_err(ours.full(), dense[:, :, pos]),
+        "entropy": _max_err(ours.entropy(), ref.entropy()[:, :, pos]),
+        "topk": _max_err(values, ref_values[:, :, pos]),
+        "topk_index": _max_err(dense[:, :, pos].gather(-1, indices), values),
+        "sum": _max_err(ours.sum(dim=-2), ref.sum(dim=-2)[:, :, pos]),
+        "mean": _max_err(ours.mean(dim=-2), ref.mean(dim=-2)[:, :, pos]),
+    }
+
+
+def disagree(rank, world, *, what):
+    """Ranks that call with different shapes, or one rank with a bad mask: the error
+    every rank raises (type and message), or None."""
+    q = torch.randn(1, 2, 8 if what != "shape" or rank == 0 else 6, 4)
+    mask = "not a mask" if what == "bad_mask" and rank == world - 1 else None
+    try:
+        sd.ring_attention(q, q, q, mask, timeout=30)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def absent(rank, world, *, timeout):
+    """Rank world-1 never calls: how the others fail, and after how long."""
+    if rank == world - 1:
+        time.sleep(timeout + 2)
+        return "absent"
+    q = torch.randn(1, 2, 8, 4)
+    t0 = time.monotonic()
+    try:
+        sd.ring_attention(q, q, q, timeout=timeout)
+    except Exception as e:
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}"
+    return None
+
+
+CASES = {"compare": compare, "weights": weights, "disagree": disagree, "absent": absent}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int):
+    """Start `world` workers; returns (send a case to all, collect their answers, stop)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    results = ctx.Queue()
+    queues = [ctx.Queue() for _ in range(world)]
+    procs = [
+        ctx.Process(target=worker, args=(r, world, port, queues[r], results), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+
+    def run(name, wait=120, **kwargs):
+        for q in queues:
+            q.put((name, kwargs))
+        got = {}
+        deadline = time.monotonic() + wait
+        while len(got) < world:
+            rank, error, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            got[rank] = (error, value)
+        return [got[r] for r in range(world)]
+
+    def stop():
+        for q in queues:
+            q.put(None)
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    return run, stop

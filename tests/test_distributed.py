@@ -1,0 +1,172 @@
+"""Ring attention across 2 and 4 gloo processes against single-process sdpa.attention
+on the gathered sequence; the failure cases end in errors on every rank, not hangs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ring_cases
+from sdpa import distributed as sd
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="torch.distributed with gloo is not available",
+)
+
+TOL = {"out": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+def group(request):
+    run, stop = ring_cases.spawn(request.param)
+    yield run
+    stop()
+
+
+def _ok(answers):
+    """The ranks' answers, failing the test with any rank's error."""
+    for rank, (error, _) in enumerate(answers):
+        assert error is None, f"rank {rank}: {error}"
+    return [value for _, value in answers]
+
+
+def _seed(request):
+    seed = random.randrange(2**31)
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return seed
+
+
+CASES = {
+    "dense": {},
+    "causal": {"causal": True},
+    "causal_zigzag": {"causal": True, "layout": "zigzag"},
+    "padding": {"mask": "padding", "B": 3},
+    "padding_causal_zigzag": {"mask": "padding", "causal": True, "layout": "zigzag"},
+    "documents": {"mask": "documents", "layout": "zigzag"},
+    "window_and_padding": {"mask": "window", "causal": True},
+    "dead_rows": {"mask": "dead", "n": 6},
+    "gqa_scale_ev": {"Hkv": 2, "Ev": 12, "scale": 0.3, "n": 5},
+    "cross_lengths": {"n": 4, "m": 10, "E": 16, "Ev": 4},
+    "three_d": {"three_d": True, "causal": True, "layout": "zigzag"},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_single_process(group, request, case):
+    for errors in _ok(group("compare", seed=_seed(request), **CASES[case])):
+        for name in ("out", "lse"):
+            assert errors[name] <= TOL[name], (name, errors)
+
+
+GRAD_CASES = {
+    "dense": {},
+    "causal_zigzag_gqa": {"causal": True, "layout": "zigzag", "Hkv": 2},
+    "causal_contiguous_padding": {"causal": True, "mask": "padding"},
+    "documents_ev": {"mask": "documents", "Ev": 4, "scale": 0.7},
+    "dead_rows": {"mask": "dead", "n": 6},
+}
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_gradients_match_single_process_autograd(group, request, case):
+    for errors in _ok(group("compare", seed=_seed(request), grad=True, **GRAD_CASES[case])):
+        for name, tol in TOL.items():
+            assert errors[name] <= tol, (name, errors)
+
+
+def test_bfloat16_is_close(group, request):
+    for errors in _ok(group("compare", seed=_seed(request), dtype="bfloat16", causal=True)):
+        assert errors["out"] <= 2e-2 and errors["lse"] <= 1e-2, errors
+
+
+@pytest.mark.parametrize(
+    "case",
+    [{}, {"causal": True, "layout": "zigzag"}, {"mask": "padding", "causal": True}],
+    ids=["dense", "causal_zigzag", "padding_causal"],
+)
+def test_weights_rows_entropy_topk_and_received_sums(group, request, case):
+    for errors in _ok(group("weights", seed=_seed(request), **case)):
+        assert errors.pop("shape") == 0
+        for name, err in errors.items():
+            assert err <= 1e-5, (name, errors)
+
+
+def test_ranks_with_different_shapes_all_raise(group):
+    messages = _ok(group("disagree", what="shape"))
+    for rank, message in enumerate(messages):
+        assert message is not None and message.startswith("RingError"), message
+        assert f"rank {rank}:" in message and "rank 1 [1, 2, 6, 4]" in message
+
+
+def test_a_rank_with_bad_arguments_makes_every_rank_raise(group):
+    messages = _ok(group("disagree", what="bad_mask"))
+    world = len(messages)
+    assert messages[-1].startswith("TypeError: ring_attention takes a structured mask")
+    for message in messages[:-1]:
+        assert message.startswith("RingError") and f"rank {world - 1} failed: TypeError" in message
+
+
+def test_a_rank_that_never_calls_gives_timeouts_not_a_hang():
+    run, stop = ring_cases.spawn(2)
+    try:
+        messages = _ok(run("absent", wait=60, timeout=2.0))
+    finally:
+        stop()
+    assert messages[1] == "absent"
+    assert messages[0].startswith("RingTimeoutError after"), messages[0]
+    waited = float(messages[0].split()[2])
+    assert 1.5 <= waited <= 10, messages[0]
+    assert "not every rank of the group reached ring attention" in messages[0]
+
+
+def test_shard_and_unshard_round_trip():
+    x = torch.arange(2 * 24).view(2, 24, 1)
+    for layout in sd.LAYOUTS:
+        pieces = [sd.shard(x, r, 3, layout=layout, dim=1) for r in range(3)]
+        assert torch.equal(sd.unshard(pieces, layout=layout, dim=1), x)
+        for r, p in enumerate(pieces):
+            assert torch.equal(p[0, :, 0], sd.positions(8, r, 3, layout))
+    assert sd.positions(4, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]
+    assert sd.positions(4, 1, 2, "zigzag").tolist() == [2, 3, 4, 5]
+
+
+def test_shard_refuses_uneven_lengths_and_unknown_layouts():
+    with pytest.raises(ValueError, match="does not cut into 6 equal chunks"):
+        sd.shard(torch.zeros(1, 10, 2), 0, 3, layout="zigzag")
+    with pytest.raises(ValueError, match="layout must be 'contiguous' or 'zigzag'"):
+        sd.shard(torch.zeros(1, 12, 2), 0, 3, layout="striped")
+    with pytest.raises(ValueError, match="rank must be in"):
+        sd.shard(torch.zeros(1, 12, 2), 3, 3)
+
+
+def test_ring_attention_without_a_process_group_says_how_to_start_one():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sd.ring_attention(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_math_block_kernels_match_the_fused_ones(gen, causal):
+    """The kernels ring attention uses off CPU (plain torch ops, e.g. CUDA with NCCL)
+    against torch's fused CPU kernels, forward and backward, with GQA, a -inf bias and
+    a row that sees no key."""
+    from sdpa.distributed import kernels
+
+    B, Hq, Hkv, r, c, D = 2, 4, 2, 7, 7, 8
+    q, dout = torch.randn(B, Hq, r, D, generator=gen), torch.randn(B, Hq, r, D, generator=gen)
+    k, v = torch.randn(B, Hkv, c, D, generator=gen), torch.randn(B, Hkv, c, D, generator=gen)
+    keep = torch.rand(B, r, c, generator=gen) < 0.7
+    keep[:, 2] = causal  # row 2 sees no key unless causal keeps the diagonal alive
+    bias = torch.where(keep, 0.0, -torch.inf)[:, None]  # (B, 1, r, c)
+    fused = kernels._cpu_forward(q, k, v, 0.0, causal, attn_mask=bias, scale=0.4)
+    math = kernels._math_forward(q, k, v, bias, causal, 0.4)
+    for a, b in zip(fused, math, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    out, lse = fused
+    grads = kernels._cpu_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=0.4)
+    mine = kernels._math_backward(dout, q, k, v, out, lse, bias, causal, 0.4)
+    for a, b in zip(grads, mine, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
