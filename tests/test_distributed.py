@@ -170,3 +170,32 @@ def test_the_math_block_kernels_match_the_fused_ones(gen, causal):
     mine = kernels._math_backward(dout, q, k, v, out, lse, bias, causal, 0.4)
     for a, b in zip(grads, mine, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_group_of_one_rank_is_plain_attention(request):
+    run, stop = ring_cases.spawn(1)
+    try:
+        case = {"causal": True, "layout": "zigzag", "mask": "padding", "grad": True}
+        (errors,) = _ok(run("compare", seed=_seed(request), **case))
+    finally:
+        stop()
+    for name, tol in TOL.items():
+        assert errors[name] <= tol, (name, errors)
+
+
+def test_the_torchrun_example_runs_on_two_processes():
+    """The README's command, at a small size: it checks itself against one process."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(ring_cases.free_port()), str(root / "examples" / "ring.py"),
+         "--length", "512"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    for rank in range(2):
+        assert f"rank {rank}: max |ring - single process|" in done.stdout

@@ -85,6 +85,9 @@ class Ring:
     def start_rotate(self, send: torch.Tensor, recv: torch.Tensor) -> list:
         """Send `send` to the next rank and receive the previous rank's into `recv`,
         without waiting: the transfer overlaps whatever runs before `finish`."""
+        if self.world == 1:  # the ring is this rank alone
+            recv.copy_(send)
+            return []
         ops = [
             dist.P2POp(dist.isend, send, self._global[self.next], self.group),
             dist.P2POp(dist.irecv, recv, self._global[self.prev], self.group),

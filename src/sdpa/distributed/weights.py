@@ -15,7 +15,7 @@ from sdpa.distributed.comm import Ring
 from sdpa.distributed.layout import positions, unshard
 from sdpa.functional import _fused
 from sdpa.inputs import normalize
-from sdpa.weights import AttentionWeights, StaleWeightsError
+from sdpa.weights import AttentionWeights, StaleWeightsError, _version
 
 
 class _Rows(masks.Mask):
@@ -58,7 +58,7 @@ class RingWeights:
         self._ring, self._query, self._key = ring, query, key
         self._lse = lse.detach()  # (B, Hq, n)
         self._rule, self._scale, self._layout = rule, scale, layout
-        self._versions = (query._version, key._version)
+        self._versions = (_version(query), _version(key))
         n, m = query.shape[-2], key.shape[-2]
         self._n, self._m = n, m
         self._shape = torch.Size((*lead, n, m * ring.world))  # (..., n, S)
@@ -86,7 +86,7 @@ class RingWeights:
 
     def _local(self) -> AttentionWeights:
         """AttentionWeights of the local queries over the gathered keys (a collective)."""
-        if (self._query._version, self._key._version) != self._versions:
+        if (_version(self._query), _version(self._key)) != self._versions:
             raise StaleWeightsError(
                 "the query or key shard changed in place after ring_attention, so these "
                 "weights would describe other inputs; read them before the update"

@@ -1,0 +1,1 @@
+../src/sdpa/examples/ring.py
