@@ -35,6 +35,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/bench_weights.py --json benchmarks/results/weights.json
 	$(PY) benchmarks/bench_masks.py --json benchmarks/results/masks.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_hf.py --json benchmarks/results/hf.json
+	$(PY) benchmarks/bench_ring.py --json benchmarks/results/ring.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
