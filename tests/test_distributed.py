@@ -68,6 +68,7 @@ GRAD_CASES = {
     "causal_contiguous_padding": {"causal": True, "mask": "padding"},
     "documents_ev": {"mask": "documents", "Ev": 4, "scale": 0.7},
     "dead_rows": {"mask": "dead", "n": 6},
+    "float64_causal_zigzag": {"dtype": "float64", "causal": True, "layout": "zigzag"},
 }
 
 
