@@ -1,6 +1,7 @@
 # `make demo` and `make test` work on a fresh machine: each creates .venv, installs
 # torch==2.13.0 first (a bare `torch` requirement could pull a multi-GB CUDA build),
-# then this package with the extras it needs.
+# then this package with the extras it needs (triton: the test suite runs the statistics
+# kernels under its interpreter; the wheel installs in seconds).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,19 +16,19 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
-	$(PIP) install -e '.[dev,plot,hf]'
+	$(PIP) install -e '.[dev,plot,hf,gpu]'
 	touch $@
 
 demo: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m sdpa demo
 
 test: $(VENV)/.dev
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks scripts
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint: $(VENV)/.dev
-	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m ruff format --check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks scripts
+	$(PY) -m ruff format --check src tests benchmarks scripts
 
 bench: $(VENV)/.dev
 	$(PY) benchmarks/bench_core.py --json benchmarks/results/core.json

@@ -58,7 +58,7 @@ def test_not_supported_is_a_value_error():
 def test_fused_names_the_devices_it_runs_on(gen):
     q, k, v = (t.to("meta") for t in make_inputs(gen)[:3])
     with pytest.raises(
-        NotSupportedError, match=r"inputs on meta \(the fused backend runs on: cpu\)"
+        NotSupportedError, match=r"inputs on meta \(the fused backend runs on: cpu, cuda\)"
     ):
         sdpa.attention(q, k, v, backend="fused")
 

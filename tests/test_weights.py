@@ -276,3 +276,18 @@ def test_bad_topk(gen, k):
     q, k_, v, _ = make_inputs(gen)
     with pytest.raises(ValueError, match=r"k must be an int in \[1, S=9\]"):
         sdpa.attention(q, k_, v).weights.topk(k)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "float_inf", "dead_rows"])
+def test_amax_is_each_rows_largest_weight(gen, mask_kind):
+    q, k, v, mask = make_inputs(gen, Hq=4, Hkv=2, L=13, S=21, mask_kind=mask_kind)
+    w = sdpa.attention(q, k, v, mask).weights
+    top = w.amax()
+    assert top.shape == (2, 4, 13) and w.amax(dim=3).shape == top.shape
+    torch.testing.assert_close(top.double(), oracle(q, k, v, mask)[1].amax(-1), atol=2e-6, rtol=0)
+
+
+def test_amax_refuses_the_query_dim(gen):
+    q, k, v, _ = make_inputs(gen)
+    with pytest.raises(ValueError, match=r"amax works over the keys, dim=-1 .* got dim=-2"):
+        sdpa.attention(q, k, v).weights.amax(dim=-2)

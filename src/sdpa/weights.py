@@ -6,6 +6,10 @@ rows cost one GEMM and one exp, and nothing L x S is kept between calls (`sdpa.r
 does the work, tile by tile). The entropy costs one more fused call instead:
 H_i = lse_i - sum_j p_ij s_ij = lse_i - scale * q_i . (P K)_i, and P K is attention
 with the keys as values.
+
+On CUDA with triton installed, `sdpa.kernels` serves the statistics in single passes:
+entropy and row max from one flash-style pass, attention received per key from q, k
+and the LSE; the chunked engine stays the fallback (and the oracle in the tests).
 """
 
 from __future__ import annotations
@@ -17,12 +21,20 @@ from collections.abc import Callable
 
 import torch
 
-from sdpa import masks, rows
+from sdpa import kernels, masks, rows
 from sdpa.inputs import Inputs, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
 FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
 DEFAULT_MAX_BYTES = 2**30
+KERNEL_DEVICES = {"cuda"}  # where the Triton kernels serve the statistics
+# A structured mask is materialised for the kernels up to this many bytes (bool);
+# past it the chunked engine, which materialises one tile at a time, serves.
+KERNEL_MASK_BYTES = 64 * 2**20
+# The received-attention kernel subtracts the fused kernel's LSE from its own scores:
+# past this |lse| (a row under a huge finite bias such as -1e9) float32 has lost the
+# digits that matter, and the chunked engine recomputes such rows exactly.
+KERNEL_LSE_LIMIT = 1024.0
 
 
 class StaleWeightsError(RuntimeError):
@@ -178,7 +190,9 @@ class AttentionWeights:
         self._check_query_dim(dim, "sum")
         self._check_fresh()
         with torch.no_grad(), no_autocast(self.device.type):
-            sums = rows.key_sums(self._rows())
+            sums = self._received_kernel()
+            if sums is None:
+                sums = rows.key_sums(self._rows())
         return sums.reshape(*self._inputs.lead, -1)
 
     def mean(self, dim: int = -2) -> torch.Tensor:
@@ -191,10 +205,31 @@ class AttentionWeights:
         no key."""
         self._check_fresh()
         with torch.no_grad(), no_autocast(self.device.type):
-            h = self._entropy_fused()
+            h = self._stats_kernel("entropy")
+            if h is None:
+                h = self._entropy_fused()
             if h is None:
                 h = rows.entropy(self._rows())
         return h.reshape(*self._inputs.lead, -1)
+
+    def amax(self, dim: int = -1) -> torch.Tensor:
+        """The largest weight of each query row, like torch.amax(w, dim=-1): (*lead, L);
+        0 for rows that see no key. Only dim=-1 (over the keys)."""
+        if dim not in (-1, len(self.shape) - 1):
+            raise ValueError(
+                f"amax works over the keys, dim=-1 (-> (..., L): each query's largest "
+                f"weight), got dim={dim}; for the queries a key attends most, use "
+                f"w[...] rows or w.sum(dim=-2)"
+            )
+        self._check_fresh()
+        i = self._inputs
+        with torch.no_grad(), no_autocast(self.device.type):
+            top = self._stats_kernel("amax")
+            if top is None and i.key.shape[2] == 0:
+                top = torch.zeros(i.query.shape[:3], dtype=self.dtype, device=self.device)
+            if top is None:
+                top = rows.topk(self._rows(), 1)[0][..., 0]  # (B, Hq, L)
+        return top.reshape(*i.lead, -1)
 
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest weights of each query row and their key indices, like
@@ -223,6 +258,47 @@ class AttentionWeights:
         return rows.Rows(
             i.query, i.key, self._lse, i.mask, q_pos, i.causal, L, i.scale, i.compute_dtype
         )
+
+    def _kernel_args(self) -> tuple | None:
+        """(q, k, mask tensor or None, causal) for the Triton kernels, or None where they
+        can't serve: not on KERNEL_DEVICES, triton missing, an unsupported dtype or head
+        size, or a structured mask too large to materialise."""
+        i = self._inputs
+        if self.device.type not in KERNEL_DEVICES or kernels.unsupported(i.query, i.key):
+            return None
+        mask, causal = i.mask, i.causal
+        L, S = i.query.shape[2], i.key.shape[2]
+        if isinstance(mask, masks.Mask):
+            if mask.is_top_left_causal(L, S):
+                mask, causal = None, True
+            elif (mask.batch or 1) * L * S > KERNEL_MASK_BYTES:
+                return None
+            else:
+                mask = mask.materialize(L, S, self.device)  # (L, S) or (B, 1, L, S)
+                mask = mask if mask.ndim == 4 else mask[None, None]  # (B|1, 1, L, S)
+        return i.query, i.key, mask, causal
+
+    def _stats_kernel(self, which: str) -> torch.Tensor | None:
+        """Entropy or row max (B, Hq, L) from the one-pass Triton kernel, or None."""
+        args = self._kernel_args()
+        if args is None:
+            return None
+        from sdpa.kernels.stats import forward_stats  # imports triton
+
+        q, k, mask, causal = args
+        scale = self._inputs.scale
+        _, _, entropy, top = forward_stats(q, k, None, mask, causal=causal, scale=scale)
+        return entropy if which == "entropy" else top
+
+    def _received_kernel(self) -> torch.Tensor | None:
+        """Attention received per key (B, Hq, S) from the Triton kernel, or None."""
+        args = self._kernel_args()
+        if args is None or bool((self._lse.abs() > KERNEL_LSE_LIMIT).any()):
+            return None
+        from sdpa.kernels.received import received  # imports triton
+
+        q, k, mask, causal = args
+        return received(q, k, self._lse, mask, causal=causal, scale=self._inputs.scale)
 
     def _entropy_fused(self) -> torch.Tensor | None:
         """H_i = lse_i - scale * q_i . (P K)_i with one fused call (keys as values); None

@@ -5,8 +5,10 @@ On CPU that is `aten._scaled_dot_product_flash_attention_for_cpu`: it wants 4-D
 last dim (it silently misreads others), a float mask (bool masks
 become 0/-inf), and has no dropout. Different head sizes are padded with zeros (which
 changes no score and no output column) and the output sliced back. Its backward is
-registered, so autograd works through it. CUDA ops slot in as further entries of
-`_KERNELS` keyed by device type.
+registered, so autograd works through it. On CUDA, `sdpa.backends.cuda` runs the
+flash / memory-efficient / cuDNN op torch itself would pick (head sizes padded to a
+multiple of 8, as torch pads them). `_KERNELS` is keyed by device type; block skipping
+works the same on every device.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sdpa import masks
-from sdpa.backends import blocks
+from sdpa.backends import blocks, cuda
 from sdpa.backends.base import Backend
 from sdpa.inputs import HALF_DTYPES, Inputs
 
@@ -59,19 +61,25 @@ def _cpu_kernel(
 
 
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_KERNELS: dict[str, Kernel] = {"cpu": _cpu_kernel}
+_KERNELS: dict[str, Kernel] = {"cpu": _cpu_kernel, "cuda": cuda.kernel}
+_HEAD_ALIGN = {"cuda": cuda.HEAD_ALIGN}  # head sizes the device's kernels take
 
 
 def _prepare(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unit last strides and one head size: the smaller one zero-padded (zero features
-    add nothing to q.k, zero value columns are sliced off the output)."""
+    """Unit last strides and one head size D (a multiple of the device's alignment):
+    smaller ones zero-padded (zero features add nothing to q.k, zero value columns are
+    sliced off the output)."""
     q, k, v = _unit_stride(inputs.query), _unit_stride(inputs.key), _unit_stride(inputs.value)
     E, Ev = q.shape[-1], v.shape[-1]
-    if E < Ev:
-        q = F.pad(q, (0, Ev - E))  # (B, Hq, L, Ev)
-        k = F.pad(k, (0, Ev - E))  # (B, Hkv, S, Ev)
-    elif Ev < E:
-        v = F.pad(v, (0, E - Ev))  # (B, Hkv, S, E)
+    D = max(E, Ev)
+    align = _HEAD_ALIGN.get(q.device.type)
+    if align is not None:
+        D = -(-D // align) * align
+    if E < D:
+        q = F.pad(q, (0, D - E))  # (B, Hq, L, D)
+        k = F.pad(k, (0, D - E))  # (B, Hkv, S, D)
+    if Ev < D:
+        v = F.pad(v, (0, D - Ev))  # (B, Hkv, S, D)
     return q, k, v
 
 
@@ -118,6 +126,11 @@ class Fused(Backend):
         if inputs.dropout_p > 0 and device == "cpu":
             reasons.append(
                 f"dropout_p={inputs.dropout_p} > 0 on CPU (torch's fused CPU kernel has no dropout)"
+            )
+        elif inputs.dropout_p > 0:
+            reasons.append(
+                f"dropout_p={inputs.dropout_p} > 0 on {device} (the fused path runs without "
+                f"dropout; the reference backend applies it)"
             )
         mask = inputs.mask
         if isinstance(mask, torch.Tensor) and mask.requires_grad and torch.is_grad_enabled():

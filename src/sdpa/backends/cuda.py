@@ -1,0 +1,158 @@
+"""torch's fused CUDA attention ops for the fused backend: output and LSE.
+
+The op is the one torch's own scaled_dot_product_attention would run for the same
+tensors (torch._fused_sdp_choice, which honours torch.nn.attention.sdpa_kernel), so
+the fused path is as fast as torch's default backend:
+- flash (`_scaled_dot_product_flash_attention`): float16/bfloat16, no mask, key/value
+  heads may divide query heads; LSE (B, H, L).
+- memory-efficient (`_scaled_dot_product_efficient_attention`): float32 too, and an
+  additive bias in the input dtype whose rows are 16-element aligned; LSE padded
+  along L (to a multiple of 32 in some versions), sliced here.
+- cuDNN (`_scaled_dot_product_cudnn_attention`): taken without a mask only (its bias
+  layout rules vary between versions; with a mask the efficient op runs instead);
+  LSE (B, H, L) or (B, H, L, 1). Its signature changed across versions, so it is
+  called by argument name.
+- anything else (float64, a float32 mask with 16-bit inputs, or where torch would pick
+  its math path): the math in plain torch, float32 softmax.
+Every op's backward is registered, so autograd works through each. The kernels' causal
+flag is only used for L == S (flash aligns it bottom-right, torch's is_causal is
+top-left); otherwise causality is folded into the bias. Rows that see no key are run
+unmasked (bias 0) and zeroed afterwards with torch.where, so their output and LSE are 0
+and no NaN reaches the gradients, whatever a kernel does with an empty row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdpa.backends import blocks
+from sdpa.inputs import HALF_DTYPES
+
+MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3  # torch.nn.attention.SDPBackend values
+HEAD_ALIGN = 8  # torch's CUDA kernels take head sizes in multiples of 8
+BIAS_ALIGN = 16  # memory-efficient attention wants bias rows aligned to 16 elements
+
+
+def _aten(name: str):
+    return getattr(torch.ops.aten, name, None)
+
+
+def choice(q, k, v, bias, causal: bool, scale: float) -> int:
+    """The SDPBackend value torch's own SDPA picks for these tensors (MATH if unknown)."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return MATH
+    gqa = k.shape[1] != q.shape[1]
+    try:
+        return int(choose(q, k, v, bias, 0.0, causal, scale=scale, enable_gqa=gqa))
+    except (RuntimeError, TypeError):  # no viable kernel, or an older signature
+        return MATH
+
+
+def _bias(mask, causal: bool, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device):
+    """(bias, dead) for a float mask (0/-inf or additive, broadcasting to (B, H, L, S))
+    and top-left causality folded in: bias (B, H, L, S) in `dtype` with 16-element
+    aligned rows (a view, stride 0 where broadcast), rows that see no key set to 0;
+    dead (B|1, H|1, L|1, 1) bool marks those rows."""
+    B, H, L, S = shape
+    base = blocks.distinct(mask) if mask is not None else None  # (Bm, Hm, Lm, Sm)
+    if causal:
+        band = torch.ones(L, S, dtype=torch.bool, device=device).tril()  # top-left
+        zero = torch.zeros((), dtype=dtype if base is None else base.dtype, device=device)
+        causal_bias = torch.where(band, zero, zero - torch.inf)  # (L, S)
+        base = causal_bias[None, None] if base is None else base + causal_bias
+    dead = ~(base > -torch.inf).any(dim=-1, keepdim=True)  # (Bm, Hm, Lm, 1)
+    padded = -(-S // BIAS_ALIGN) * BIAS_ALIGN
+    buf = torch.empty(*base.shape[:-1], padded, dtype=dtype, device=device)[..., :S]
+    buf.copy_(base.expand(*base.shape[:-1], S).masked_fill(dead, 0.0))  # (Bm, Hm, Lm, S)
+    return buf.expand(B, H, L, S), dead
+
+
+def _lse(lse: torch.Tensor, B: int, H: int, L: int) -> torch.Tensor:
+    """A kernel's LSE as (B, H, L): drops a trailing 1 and the padding along L."""
+    return lse.reshape(B, H, -1)[..., :L]
+
+
+def _expand_heads(t: torch.Tensor, H: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, H, S, D), query head h on key/value head h // (H // Hkv)."""
+    return t if t.shape[1] == H else t.repeat_interleave(H // t.shape[1], dim=1)
+
+
+def _flash(q, k, v, bias, causal, scale):
+    out = _aten("_scaled_dot_product_flash_attention")(q, k, v, 0.0, causal, False, scale=scale)
+    return out[0], out[1]
+
+
+def _efficient(q, k, v, bias, causal, scale):
+    op = _aten("_scaled_dot_product_efficient_attention")
+    out = op(q, k, v, bias, True, 0.0, causal, scale=scale)
+    return out[0], out[1]
+
+
+def _cudnn(q, k, v, bias, causal, scale):
+    op = _aten("_scaled_dot_product_cudnn_attention").default
+    names = {a.name for a in op._schema.arguments}
+    kwargs = {"dropout_p": 0.0, "is_causal": causal, "return_debug_mask": False, "scale": scale}
+    if "attn_bias" in names:
+        kwargs["attn_bias"] = None
+    if "compute_log_sumexp" in names:
+        kwargs["compute_log_sumexp"] = True
+    out = op(q, k, v, **{n: x for n, x in kwargs.items() if n in names})
+    return out[0], out[1]
+
+
+def _math(q, k, v, bias, causal, scale):
+    """The listing in plain torch, float32 softmax for 16-bit inputs; differentiable."""
+    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    s = torch.matmul(q.to(cd), k.to(cd).transpose(-2, -1)) * scale  # (B, H, L, S)
+    if bias is not None:
+        s = s + bias.to(cd)
+    if causal:
+        band = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~band, -torch.inf)
+    lse = torch.logsumexp(s.detach(), dim=-1)  # (B, H, L)
+    out = torch.matmul(torch.softmax(s, dim=-1), v.to(cd)).to(q.dtype)  # (B, H, L, D)
+    return out, lse
+
+
+_RUN = {FLASH: _flash, EFFICIENT: _efficient, CUDNN: _cudnn}
+
+
+def kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (B, H, L, D) and LSE (B, H, L) of attention on CUDA tensors.
+
+    q (B, H, L, D), k and v (B, Hkv, S, D): one head size, a multiple of 8, unit last
+    stride. mask: None or float (0/-inf for a keep-mask, else added), broadcasting to
+    (B, H, L, S). causal: top-left. Rows that see no key give output 0 and LSE 0.
+    """
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    fold = causal and (mask is not None or L != S)
+    # the kernels take the bias in the input dtype: a float32 bias for 16-bit inputs
+    # would be rounded, and the weights (rebuilt with the float32 bias) would disagree
+    exact = mask is not None and mask.dtype != q.dtype
+    bias, dead = (None, None)
+    if mask is not None or fold:
+        bias_dtype = mask.dtype if exact else q.dtype
+        bias, dead = _bias(mask, fold, bias_dtype, (B, H, L, S), q.device)
+    causal = causal and not fold
+    picked = MATH if exact else choice(q, k, v, bias, causal, scale)
+    if picked != FLASH and k.shape[1] != H:  # only flash takes fewer key/value heads
+        k, v = _expand_heads(k, H), _expand_heads(v, H)  # (B, H, S, D)
+        if picked not in _RUN and not exact:  # the efficient op may take them now
+            picked = choice(q, k, v, bias, causal, scale)
+    if picked == CUDNN and bias is not None:
+        picked = EFFICIENT
+    out, lse = _RUN.get(picked, _math)(q, k, v, bias, causal, scale)
+    lse = _lse(lse, B, H, L)
+    if dead is not None:
+        out = torch.where(dead, out.new_zeros(()), out)
+        lse = torch.where(dead[..., 0], lse.new_zeros(()), lse)
+    return out, lse

@@ -1,0 +1,266 @@
+"""The fused backend and the Triton statistics on CUDA tensors, against the oracle.
+
+Tests marked `cuda` skip without a device. The first tests run the CUDA glue's
+device-independent parts (bias folding, rows with no key, GQA, the math path) on CPU
+tensors, with torch's op choice forced to its math path, so they run everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sdpa
+from sdpa import masks, weights
+from sdpa.backends import cuda
+
+from conftest import MASK_KINDS, make_inputs, make_mask, randn
+from oracle import oracle
+
+# --- the CUDA glue on CPU tensors (math path) --------------------------------------
+
+
+@pytest.fixture
+def forced_math(monkeypatch):
+    monkeypatch.setattr(cuda, "choice", lambda *args: cuda.MATH)
+
+
+def _float_bias(mask, dtype):
+    if mask is None or mask.is_floating_point():
+        return mask
+    zero = torch.zeros((), dtype=dtype)
+    return torch.where(mask.bool(), zero, zero - torch.inf)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "dead_rows", "float_inf", "key_padding"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_glue_math_path_matches_the_oracle(gen, forced_math, mask_kind, causal):
+    q, k, v, mask = make_inputs(gen, Hq=4, Hkv=2, L=9, S=9 if causal else 14, mask_kind=mask_kind)
+    out, lse = cuda.kernel(q, k, v, _float_bias(mask, q.dtype), causal, 0.3)
+    ref_out, ref_p = oracle(q, k, v, mask, causal=causal, scale=0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    dead = ref_p.sum(-1) == 0
+    assert lse.shape == (2, 4, 9) and (lse[dead] == 0).all() and (out[dead] == 0).all()
+
+
+def test_cuda_glue_folds_top_left_causal_for_l_not_s(gen, forced_math):
+    q, k, v, _ = make_inputs(gen, L=5, S=8)
+    out, _ = cuda.kernel(q, k, v, None, True, 0.25)
+    ref = oracle(q, k, v, torch.ones(5, 8, dtype=torch.bool).tril(), scale=0.25)[0]
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+
+
+def test_cuda_glue_gradients_stay_finite_with_dead_rows(gen, forced_math):
+    q, k, v, mask = make_inputs(gen, L=12, S=10, mask_kind="dead_rows")
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out, _ = cuda.kernel(q, k, v, _float_bias(mask, torch.float64), False, 0.25)
+    out.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    oracle(*ref, mask, scale=0.25)[0].sum().backward()
+    for ours, theirs in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-10, rtol=0)
+
+
+def test_cuda_glue_lse_loses_padding_and_trailing_dims():
+    lse = torch.arange(2 * 3 * 32, dtype=torch.float32).view(2, 3, 32)  # padded along L
+    assert torch.equal(cuda._lse(lse, 2, 3, 5), lse[..., :5])
+    assert cuda._lse(lse[..., :5, None], 2, 3, 5).shape == (2, 3, 5)  # (B, H, L, 1)
+
+
+# --- on a CUDA device ----------------------------------------------------------------
+
+DEV = "cuda"
+
+
+def _dev(*ts):
+    return [None if t is None else t.to(DEV) for t in ts]
+
+
+def _check_out(out, ref_out, low_out, dtype):
+    err = (out.cpu().double() - ref_out).abs().max()
+    if dtype == torch.float32:  # TF32 is off in torch's attention kernels
+        assert err <= 1e-4, err
+    else:  # the flash-attention rule
+        assert err <= 2 * (low_out.double() - ref_out).abs().max() + 1e-6, err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_fused_cuda_matches_the_oracle(gen, dtype, mask_kind):
+    q, k, v, mask = make_inputs(
+        gen, Hq=4, Hkv=2, L=97, S=130, E=40, Ev=24, dtype=dtype, mask_kind=mask_kind
+    )
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(dtype)  # the fused kernels take the bias in the input dtype
+    out, w = sdpa.attention(*_dev(q, k, v, mask), backend="fused")
+    ref_out, ref_p = oracle(q, k, v, mask)
+    _check_out(out, ref_out, oracle(q, k, v, mask, dtype=dtype)[0], dtype)
+    torch.testing.assert_close(w.full().cpu().double(), ref_p, atol=5e-5, rtol=0)
+    dead = ref_p.sum(-1) == 0
+    assert (w.lse.cpu()[dead] == 0).all() and (out.cpu()[dead] == 0).all()
+
+
+@pytest.mark.cuda
+def test_fused_cuda_float32_mask_with_bf16_inputs_is_exact(gen):
+    q, k, v, mask = make_inputs(gen, L=33, S=40, dtype=torch.bfloat16, mask_kind="float_inf")
+    out, w = sdpa.attention(*_dev(q, k, v, mask))
+    ref_out, ref_p = oracle(q, k, v, mask)
+    _check_out(out, ref_out, oracle(q, k, v, mask, dtype=torch.bfloat16)[0], torch.bfloat16)
+    torch.testing.assert_close(w.full().cpu().double(), ref_p, atol=5e-5, rtol=0)
+
+
+SDP = torch.nn.attention.SDPBackend
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
+)
+@pytest.mark.parametrize("mask_kind", ["none", "dead_rows"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_torch_op_gives_the_oracle(gen, backend, mask_kind, causal):
+    """Under torch's sdpa_kernel(...) each op (or the math path where it can't) runs."""
+    dtype = torch.bfloat16
+    q, k, v, mask = make_inputs(gen, Hq=8, Hkv=2, L=256, S=256, E=64, dtype=dtype,
+                                mask_kind=mask_kind)  # fmt: skip
+    with torch.nn.attention.sdpa_kernel([getattr(SDP, backend)]):
+        out, w = sdpa.attention(*_dev(q, k, v, mask), causal=causal, backend="fused")
+    ref_out, ref_p = oracle(q, k, v, mask, causal=causal)
+    _check_out(out, ref_out, oracle(q, k, v, mask, causal=causal, dtype=dtype)[0], dtype)
+    # the weights, rebuilt from the op's LSE
+    torch.testing.assert_close(w.full().cpu().double(), ref_p, atol=5e-5, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "dead_rows", "float_inf"])
+def test_fused_cuda_gradients_match_the_oracle(gen, mask_kind):
+    q, k, v, mask = make_inputs(gen, Hq=4, Hkv=2, L=70, S=90, E=32, mask_kind=mask_kind)
+    grad = randn(gen, 2, 4, 70, 32)
+    qd, kd, vd = (t.to(DEV).requires_grad_() for t in (q, k, v))
+    out, _ = sdpa.attention(qd, kd, vd, None if mask is None else mask.to(DEV))
+    out.backward(grad.to(DEV))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    oracle(*ref, mask)[0].backward(grad.double())
+    for ours, theirs in zip((qd, kd, vd), ref, strict=True):
+        assert torch.isfinite(ours.grad).all()
+        torch.testing.assert_close(ours.grad.cpu().double(), theirs.grad, atol=2e-4, rtol=0)
+
+
+@pytest.mark.cuda
+def test_fused_cuda_bf16_gradients_within_three_times_the_listings_error(gen):
+    dtype = torch.bfloat16
+    q, k, v, mask = make_inputs(gen, L=128, S=160, E=64, dtype=dtype, mask_kind="bool")
+    grad = randn(gen, 2, 3, 128, 64, dtype=dtype)
+
+    def grads(fn, dtype, device):
+        ts = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+        m = mask.to(device)
+        fn(*ts, m).backward(grad.to(device=device, dtype=dtype))
+        return [t.grad.cpu().double() for t in ts]
+
+    ours = grads(lambda *t: sdpa.attention(*t).output, dtype, DEV)
+    low = grads(lambda *t: oracle(*t, dtype=dtype)[0], dtype, "cpu")
+    ref = grads(lambda *t: oracle(*t)[0], torch.float64, "cpu")
+    for o, lo, r in zip(ours, low, ref, strict=True):
+        assert (o - r).abs().max() <= 3 * (lo - r).abs().max() + 1e-5
+
+
+STRUCTURED = {
+    "causal_bottom_right": masks.causal(),
+    "causal_top_left": masks.causal("top-left"),
+    "window_and_padding": masks.sliding_window(100) & masks.padding([600, 300]),
+    "documents": masks.documents(torch.arange(700) // 230),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(STRUCTURED))
+def test_block_skipping_on_cuda_matches_the_oracle(gen, name):
+    L, S = (700, 700) if name == "documents" else (600, 700)
+    mask = STRUCTURED[name]
+    q, k, v, _ = make_inputs(gen, Hq=4, Hkv=2, L=L, S=S, E=64, dtype=torch.bfloat16)
+    out, w = sdpa.attention(*_dev(q, k, v), mask)
+    dense = mask.materialize(L, S)
+    ref_out, ref_p = oracle(q, k, v, dense)
+    low = oracle(q, k, v, dense, dtype=torch.bfloat16)[0]
+    _check_out(out, ref_out, low, torch.bfloat16)
+    torch.testing.assert_close(w[0, 1].cpu().double(), ref_p[0, 1], atol=5e-5, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("L,S", [(1, 300), (300, 1), (77, 77)])
+def test_dropin_matches_torch_on_cuda(gen, L, S):
+    q, k, v, _ = make_inputs(gen, Hq=8, Hkv=2, L=L, S=S, E=64, dtype=torch.float16)
+    q, k, v = _dev(q, k, v)
+    ours = sdpa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0)
+
+
+# --- the Triton statistics on the device -----------------------------------------------
+
+
+@pytest.fixture
+def triton_kernels():
+    from sdpa import kernels
+
+    why = kernels.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    from sdpa.kernels.launch import interpreting
+
+    if interpreting():
+        pytest.skip("TRITON_INTERPRET=1 is set: the kernels would not run compiled")
+
+
+def _chunked(fn):
+    old = weights.KERNEL_DEVICES
+    weights.KERNEL_DEVICES = set()
+    try:
+        return fn()
+    finally:
+        weights.KERNEL_DEVICES = old
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "dead_rows", "float", "window"])
+def test_triton_statistics_match_the_oracle_on_cuda(gen, triton_kernels, dtype, mask_kind):
+    L, S = (300, 300) if mask_kind == "causal" else (300, 500)
+    q, k, v, _ = make_inputs(gen, Hq=8, Hkv=2, L=L, S=S, E=64, dtype=dtype)
+    causal = mask_kind == "causal"
+    if mask_kind == "window":
+        mask = masks.sliding_window(64)
+        dense = mask.materialize(L, S)
+    else:
+        dense = None if causal else make_mask(gen, mask_kind, 2, 8, L, S)
+        mask = _dev(dense)[0]
+    w = sdpa.attention(*_dev(q, k, v), mask, causal=causal).weights
+    assert w._kernel_args() is not None  # the kernels serve these
+    _, p = oracle(q, k, v, dense, causal=causal)
+    plogp = torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p))
+    got = {"entropy": w.entropy(), "amax": w.amax(), "sum": w.sum(dim=-2)}
+    want = {"entropy": -plogp.sum(-1), "amax": p.amax(-1), "sum": p.sum(-2)}
+    chunked = _chunked(lambda: {"entropy": w.entropy(), "amax": w.amax(), "sum": w.sum(-2)})
+    for name in got:
+        tol = 1e-4 * (L if name == "sum" else 1)
+        torch.testing.assert_close(got[name].cpu().double(), want[name], atol=tol, rtol=1e-4)
+        torch.testing.assert_close(got[name], chunked[name], atol=tol, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_forward_matches_the_oracle_on_cuda(gen, triton_kernels, dtype):
+    from sdpa.kernels.stats import forward_stats
+
+    q, k, v, mask = make_inputs(gen, Hq=8, Hkv=4, L=257, S=333, E=128, dtype=dtype,
+                                mask_kind="dead_rows")  # fmt: skip
+    out, lse, ent, top = forward_stats(*_dev(q, k, v, mask), scale=0.1)
+    ref_out, p = oracle(q, k, v, mask, scale=0.1)
+    _check_out(out, ref_out, oracle(q, k, v, mask, scale=0.1, dtype=dtype)[0], dtype)
+    torch.testing.assert_close(top.cpu().double(), p.amax(-1), atol=1e-5, rtol=0)
+    assert math.isfinite(ent.sum().item()) and (lse.cpu()[p.sum(-1) == 0] == 0).all()
