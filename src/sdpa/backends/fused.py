@@ -148,7 +148,8 @@ class Fused(Backend):
         Ev = inputs.value.shape[-1]
         mask = inputs.mask
         L, S = q.shape[2], k.shape[2]
-        if isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S):
+        causal_only = mask is None and inputs.causal
+        if causal_only or (isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S)):
             out, lse = kernel(q, k, v, None, True, inputs.scale)  # the kernel's own causal
             return out[..., :Ev], lse
         occ = blocks.structure(inputs)
