@@ -123,6 +123,7 @@ def weights(rank, world, *, seed, layout="contiguous", causal=False, mask=None, 
         "entropy": _max_err(ours.entropy(), ref.entropy()[:, :, pos]),
         "topk": _max_err(values, ref_values[:, :, pos]),
         "topk_index": _max_err(dense[:, :, pos].gather(-1, indices), values),
+        "amax": _max_err(ours.amax(), ref.amax()[:, :, pos]),
         "sum": _max_err(ours.sum(dim=-2), ref.sum(dim=-2)[:, :, pos]),
         "mean": _max_err(ours.mean(dim=-2), ref.mean(dim=-2)[:, :, pos]),
     }

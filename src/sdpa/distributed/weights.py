@@ -49,7 +49,8 @@ class RingWeights:
     """This rank's weights (..., n, S): its n queries against all S keys, lazily.
 
     Same questions as AttentionWeights, each a collective over the group: rows
-    (w[b, h, i] with i a local query index), full(), entropy(), topk(k) for this rank's
+    (w[b, h, i] with i a local query index), full(), entropy(), topk(k), amax() for this
+    rank's
     queries; sum(dim=-2) and mean(dim=-2) for this rank's keys, (..., m), counting the
     queries of every rank.
     """
@@ -111,6 +112,9 @@ class RingWeights:
 
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._local().topk(k)
+
+    def amax(self, dim: int = -1) -> torch.Tensor:
+        return self._local().amax(dim)
 
     def sum(self, dim: int = -2) -> torch.Tensor:
         """Attention each of this rank's keys receives from all L queries: (..., m)."""
