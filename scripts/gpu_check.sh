@@ -13,7 +13,7 @@ PY="${PYTHON:-python3}"
 
 # only the files with CUDA tests: the rest of the suite needs extras this machine lacks
 timeout 170 "$PY" -m pytest -q -m cuda -p no:cacheprovider --tb=short -rfE \
-  tests/test_cuda.py tests/test_backends.py 2>&1 | tail -40
+  tests/test_cuda.py tests/test_backends.py tests/test_distributed.py 2>&1 | tail -40
 tests_rc=${PIPESTATUS[0]}
 
 timeout 170 "$PY" scripts/gpu_bench.py --reps 15 --json "${OUT:-/tmp}/gpu_bench.json"

@@ -149,12 +149,16 @@ def test_ring_attention_without_a_process_group_says_how_to_start_one():
         sd.ring_attention(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one_chunk", "row_by_row"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_math_block_kernels_match_the_fused_ones(gen, causal):
+def test_the_math_block_kernels_match_the_fused_ones(gen, monkeypatch, causal, chunk_bytes):
     """The kernels ring attention uses off CPU (plain torch ops, e.g. CUDA with NCCL)
     against torch's fused CPU kernels, forward and backward, with GQA, a -inf bias and
-    a row that sees no key."""
+    a row that sees no key; in one chunk of rows and row by row."""
     from sdpa.distributed import kernels
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(kernels, "MATH_CHUNK_BYTES", chunk_bytes)
 
     B, Hq, Hkv, r, c, D = 2, 4, 2, 7, 7, 8
     q, dout = torch.randn(B, Hq, r, D, generator=gen), torch.randn(B, Hq, r, D, generator=gen)
@@ -200,3 +204,30 @@ def test_the_torchrun_example_runs_on_two_processes():
     assert done.returncode == 0, done.stderr[-2000:]
     for rank in range(2):
         assert f"rank {rank}: max |ring - single process|" in done.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_kernels_on_cuda_match_the_fused_cpu_ones(gen, dtype):
+    """What ring attention runs per block on GPUs (with NCCL), against the CPU kernels."""
+    from sdpa.distributed import kernels
+
+    B, Hq, Hkv, r, c, D = 2, 4, 2, 33, 40, 16
+    q, dout = (torch.randn(B, Hq, r, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, c, D, generator=gen) for _ in range(2))
+    keep = torch.rand(B, r, c, generator=gen) < 0.7
+    keep[:, 3] = False
+    bias = torch.where(keep, 0.0, -torch.inf)[:, None]  # (B, 1, r, c)
+    out, lse = kernels.forward(q, k, v, bias, False, 0.3)
+    grads = kernels.backward(dout, q, k, v, out, lse, bias, False, 0.3)
+    cuda = [t.cuda().to(dtype) for t in (q, k, v)]
+    out_c, lse_c = kernels.forward(*cuda, bias.cuda().to(dtype), False, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out_c.float().cpu(), out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse_c.float().cpu(), lse, atol=tol, rtol=tol)
+    grads_c = kernels.backward(
+        dout.cuda().to(dtype), *cuda, out.cuda().to(dtype), lse.cuda(), bias.cuda().to(dtype),
+        False, 0.3,
+    )  # fmt: skip
+    for a, b in zip(grads_c, grads, strict=True):
+        torch.testing.assert_close(a.float().cpu(), b, atol=5 * tol, rtol=5 * tol)

@@ -33,40 +33,62 @@ def backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
     return _math_backward(dout, q, k, v, out, lse, bias, causal, scale)
 
 
-def _scores(q, k, bias, causal, scale):
-    """float32 (or float64) scores (B, Hq, r, c), key heads repeated for GQA."""
+MATH_CHUNK_BYTES = 64 * 2**20  # scores of one chunk of query rows in the math kernels
+
+
+def _chunks(q: torch.Tensor, c: int):
+    """Row slices of q (B, Hq, r, D) whose float32 scores against c keys fit the budget."""
+    B, H, r, _ = q.shape
+    step = max(1, MATH_CHUNK_BYTES // max(1, B * H * c * 4))
+    return [slice(r0, min(r, r0 + step)) for r0 in range(0, r, step)]
+
+
+def _scores(q, k, bias, causal, scale, rows: slice):
+    """Scores (B, Hq, n, c) of query rows `rows`, float32 (float64 for float64 inputs),
+    -inf where excluded; key heads repeated for GQA."""
     cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, Hq, c, D)
-    s = torch.matmul(q.to(cd), k.to(cd).mT) * scale  # (B, Hq, r, c)
+    s = torch.matmul(q[:, :, rows].to(cd), k.to(cd).mT) * scale  # (B, Hq, n, c)
     if bias is not None:
-        s = s + bias
-    if causal:
-        r, c = s.shape[-2:]
-        s = s.masked_fill(torch.ones(r, c, dtype=torch.bool, device=s.device).triu(1), -torch.inf)
+        s = s + bias[:, :, rows]
+    if causal:  # top-left: row i sees keys j <= i
+        i = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(s.shape[-1], device=s.device) > i, -torch.inf)
     return s
 
 
 def _math_forward(q, k, v, bias, causal, scale):
-    s = _scores(q, k, bias, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, r)
-    dead = torch.isneginf(lse)
-    lse = lse.masked_fill(dead, 0.0)
-    p = torch.exp(s - lse[..., None])  # 0 where excluded, 0 on dead rows
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # (B, Hq, c, D)
-    return torch.matmul(p, v.to(p.dtype)).to(q.dtype), lse
+    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=cd, device=q.device)  # (B, Hq, r)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).to(cd)  # (B, Hq, c, D)
+    for rows in _chunks(q, k.shape[2]):
+        s = _scores(q, k, bias, causal, scale, rows)
+        m = torch.logsumexp(s, dim=-1)  # (B, Hq, n)
+        m = m.masked_fill(torch.isneginf(m), 0.0)  # rows that see no key: lse 0, out 0
+        p = torch.exp(s - m[..., None])
+        out[:, :, rows] = torch.matmul(p, v).to(q.dtype)
+        lse[:, :, rows] = m
+    return out, lse
 
 
 def _math_backward(dout, q, k, v, out, lse, bias, causal, scale):
     group = q.shape[1] // k.shape[1]
     cd = lse.dtype
-    p = torch.exp(_scores(q, k, bias, causal, scale) - lse[..., None])  # (B, Hq, r, c)
-    dout, vr = dout.to(cd), v.repeat_interleave(group, dim=1).to(cd)
-    dv = torch.matmul(p.mT, dout)  # (B, Hq, c, D)
-    dp = torch.matmul(dout, vr.mT)  # (B, Hq, r, c)
-    delta = (dout * out.to(cd)).sum(dim=-1, keepdim=True)  # (B, Hq, r, 1)
-    ds = p * (dp - delta) * scale
-    dq = torch.matmul(ds, k.repeat_interleave(group, dim=1).to(cd))
-    dk = torch.matmul(ds.mT, q.to(cd))  # (B, Hq, c, D)
+    kr = k.repeat_interleave(group, dim=1).to(cd)  # (B, Hq, c, D)
+    vr = v.repeat_interleave(group, dim=1).to(cd)
+    dq = torch.empty(q.shape, dtype=cd, device=q.device)
+    dk = torch.zeros(kr.shape, dtype=cd, device=q.device)
+    dv = torch.zeros(vr.shape, dtype=cd, device=q.device)
+    for rows in _chunks(q, k.shape[2]):
+        p = torch.exp(_scores(q, k, bias, causal, scale, rows) - lse[:, :, rows, None])
+        do = dout[:, :, rows].to(cd)  # (B, Hq, n, D)
+        dv += torch.matmul(p.mT, do)
+        dp = torch.matmul(do, vr.mT)  # (B, Hq, n, c)
+        delta = (do * out[:, :, rows].to(cd)).sum(dim=-1, keepdim=True)  # (B, Hq, n, 1)
+        ds = p * (dp - delta) * scale
+        dq[:, :, rows] = torch.matmul(ds, kr)
+        dk += torch.matmul(ds.mT, q[:, :, rows].to(cd))
 
     def fold(t):  # (B, Hq, c, D) -> (B, Hkv, c, D): a key head's share summed over its group
         return t.unflatten(1, (k.shape[1], group)).sum(dim=2).to(q.dtype)
