@@ -70,7 +70,7 @@ def _merge(acc, acc_lse, out, lse) -> None:
     new = torch.logaddexp(acc_lse, lse)
     old_share = torch.exp(acc_lse - new).nan_to_num_(nan=0.0)  # -inf - -inf: no key yet
     new_share = torch.exp(lse - new).nan_to_num_(nan=0.0)
-    acc.mul_(old_share[..., None]).add_(out.to(acc.dtype) * new_share[..., None])
+    acc.mul_(old_share[..., None]).addcmul_(out, new_share[..., None])
     acc_lse.copy_(new)
 
 
@@ -81,7 +81,7 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     acc = torch.zeros(q.shape, dtype=cd, device=q.device)  # (B, Hq, n, D)
     acc_lse = torch.full(q.shape[:-1], -torch.inf, dtype=cd, device=q.device)  # (B, Hq, n)
     kv = _pack(k, v)
-    spare = torch.empty_like(kv)
+    spare = torch.empty_like(kv) if ring.world > 1 else kv  # the shard arriving
     for step in range(ring.world):
         works = ring.start_rotate(kv, spare) if step < ring.world - 1 else []
         kk, vv = _unpack(kv, k.shape, v.shape)
