@@ -46,8 +46,8 @@ def _mask(kind, B, L, seed):
     g = torch.Generator().manual_seed(seed + 1)
     if kind is None:
         return None
-    if kind == "padding":  # some batch element with every key padded in the last shards
-        return masks.padding(torch.randint(1, L + 1, (B,), generator=g))
+    if kind == "padding":  # length 1: every shard but the first fully padded
+        return masks.padding([(1, L // 2 + 1, L)[b % 3] for b in range(B)])
     if kind == "documents":
         ids = torch.sort(torch.randint(0, 4, (B, L), generator=g), dim=-1).values
         return masks.documents(ids)
@@ -84,8 +84,13 @@ def compare(
 
     parts = [cut(t) for t in (q, k, v)]
     ours = sd.ring_attention(*parts, mk, causal=causal, scale=scale, layout=layout, timeout=60)
+    exact = sdpa.attention(*(t.double() for t in (q, k, v)), mk, causal=causal, scale=scale)
+    exact_out = sd.shard(exact.output, rank, world, layout=layout)
     errors = {
         "out": _max_err(ours.output, sd.shard(ref.output, rank, world, layout=layout)),
+        # against float64: ours, and single-process attention in the same dtype
+        "out64": _max_err(ours.output, exact_out),
+        "ref_out64": _max_err(sd.shard(ref.output, rank, world, layout=layout), exact_out),
         "lse": _max_err(ours.weights.lse, sd.shard(ref.weights.lse[..., None], rank, world,
                                                   layout=layout)[..., 0]),
     }  # fmt: skip
@@ -130,14 +135,53 @@ def weights(rank, world, *, seed, layout="contiguous", causal=False, mask=None, 
 
 
 def disagree(rank, world, *, what):
-    """Ranks that call with different shapes, or one rank with a bad mask: the error
-    every rank raises (type and message), or None."""
+    """Ranks that call with different shapes or masks, one rank with a bad mask, or one
+    whose weights went stale: the error every rank raises (type and message), or None."""
     q = torch.randn(1, 2, 8 if what != "shape" or rank == 0 else 6, 4)
     mask = "not a mask" if what == "bad_mask" and rank == world - 1 else None
+    if what == "mask":  # same shapes, other document ids on the last rank
+        ids = torch.arange(8 * world) // (4 if rank < world - 1 else 8)
+        mask = masks.documents(ids)
+    timeout = -1 if what == "timeout" and rank == world - 1 else 30
+    if what == "batch5d":  # two batch dims, and a mask with one of 6
+        q, mask = torch.randn(2, 3, 2, 8, 4), masks.padding([8] * 6)
     try:
-        sd.ring_attention(q, q, q, mask, timeout=30)
+        result = sd.ring_attention(q, q, q, mask, timeout=timeout)
+        if what == "stale":
+            if rank == world - 1:
+                q.add_(1.0)  # e.g. an optimizer step before reading the weights
+            result.weights.entropy()
     except Exception as e:
         return f"{type(e).__name__}: {e}"
+    return None
+
+
+def fail(rank, world, *, where, timeout):
+    """The last rank fails in its first block of the forward ring (after the first
+    transfer started), or skips the backward: how the others end, and after how long."""
+    from sdpa.distributed import kernels
+
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    calls = [0]
+    if where == "forward" and rank == world - 1:
+        real = kernels.forward
+
+        def broken(*args):
+            calls[0] += 1  # the first block: its transfer to the next rank has started
+            raise MemoryError("out of memory in a block")
+            return real(*args)
+
+        kernels.forward = broken
+    t0 = time.monotonic()
+    try:
+        out = sd.ring_attention(q, q, q, timeout=timeout).output
+        if where == "backward" and rank != world - 1:
+            out.sum().backward()
+        if where == "backward" and rank == world - 1:
+            time.sleep(timeout + 2)
+            return "skipped the backward"
+    except Exception as e:
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}"
     return None
 
 
@@ -155,7 +199,13 @@ def absent(rank, world, *, timeout):
     return None
 
 
-CASES = {"compare": compare, "weights": weights, "disagree": disagree, "absent": absent}
+CASES = {
+    "compare": compare,
+    "weights": weights,
+    "disagree": disagree,
+    "absent": absent,
+    "fail": fail,
+}
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ order. After an error the group's connections may be closed; start a fresh group
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 from collections.abc import Callable
 
@@ -16,6 +17,29 @@ import torch
 import torch.distributed as dist
 
 HEADER_BYTES = 4096
+
+
+def valid_timeout(timeout: object) -> bool:
+    return not isinstance(timeout, bool) and isinstance(timeout, int | float) and timeout > 0
+
+
+def mask_digest(mask: object) -> str:
+    """A short fingerprint of a structured mask, contents included (two `documents`
+    masks with other ids differ), for the ranks to compare."""
+    if mask is None:
+        return "None"
+    h = hashlib.sha1(type(mask).__name__.encode())
+    for name, value in sorted(vars(mask).items()):
+        h.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif hasattr(value, "keep"):  # a mask inside a combination
+            h.update(mask_digest(value).encode())
+        else:
+            h.update(repr(value).encode())
+    return f"{type(mask).__name__.lstrip('_').lower()}:{h.hexdigest()[:16]}"
 
 
 class RingError(RuntimeError):
@@ -30,13 +54,13 @@ class Ring:
     """This rank's place in the group's ring: it receives from `prev`, sends to `next`."""
 
     def __init__(self, group: dist.ProcessGroup | None, timeout: float):
-        if not dist.is_available() or not dist.is_initialized():
+        if not dist.is_available() or not dist.is_initialized():  # local: before any collective
             raise RuntimeError(
                 "ring attention needs torch.distributed initialised: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets "
                 "the environment for it)"
             )
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        if not valid_timeout(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.group = group
         self.rank = dist.get_rank(group)
@@ -60,7 +84,11 @@ class Ring:
     def agree(self, header: dict, device: torch.device) -> list[dict]:
         """Every rank's header (a small JSON-able dict), in rank order. A header with
         an "error" entry makes every rank raise, naming the rank that failed."""
-        text = json.dumps(header).encode()[: HEADER_BYTES - 1]
+        if "error" in header:  # room for the rest of the header
+            header = {"error": header["error"][: HEADER_BYTES // 2]}
+        text = json.dumps(header).encode()
+        if len(text) >= HEADER_BYTES:
+            text = json.dumps({"error": f"a header of {len(text)} bytes: {text[:200]!r}"}).encode()
         mine = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
         mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         every = [torch.empty_like(mine) for _ in range(self.world)]
@@ -73,9 +101,15 @@ class Ring:
             ),
         )
         headers = []
-        for t in every:
+        for rank, t in enumerate(every):
             raw = bytes(t.cpu().tolist()).rstrip(b"\0")
-            headers.append(json.loads(raw.decode()))
+            try:
+                headers.append(json.loads(raw.decode()))
+            except ValueError:
+                raise RingError(
+                    f"rank {self.rank}: rank {rank} sent an unreadable header ({raw[:80]!r}...); "
+                    f"every rank of the group must call the same sdpa.distributed function"
+                ) from None
         failed = [(r, h["error"]) for r, h in enumerate(headers) if "error" in h]
         if failed and "error" not in header:
             rank, message = failed[0]
@@ -95,13 +129,13 @@ class Ring:
         self.bytes_sent += send.numel() * send.element_size()
         return dist.batch_isend_irecv(ops)
 
-    def finish(self, works: list, step: int) -> None:
+    def finish(self, works: list, step: int, what: str) -> None:
         self._wait(
             works,
             lambda: (
-                f"ring step {step}: no shard from rank {self.prev} (or none taken by "
-                f"rank {self.next}) within {self.timeout} s; a rank failed or called with other "
-                f"arguments"
+                f"{what} ring step {step}: no shard from rank {self.prev} (or none taken by "
+                f"rank {self.next}) within {self.timeout} s; a rank failed, or did not run the "
+                f"{what} (it is a collective: every rank runs it)"
             ),
         )
 

@@ -2,8 +2,8 @@
 shard, forward (output and log-sum-exp) and backward (gradients given the *global*
 output and log-sum-exp, so each block's share is exact without any rescaling).
 
-Shapes: q (B, Hq, r, D), k and v (B, Hkv, c, D) (one head size D; Hkv divides Hq),
-bias None or float (Bm, 1, r, c) added to the scores (-inf excludes), out (B, Hq, r, D),
+Shapes: q (B, Hq, r, E), k (B, Hkv, c, E), v (B, Hkv, c, Ev) (Hkv divides Hq), bias
+None or float (Bm, 1, r, c) added to the scores (-inf excludes), out (B, Hq, r, Ev),
 lse (B, Hq, r) float32 for 16-bit inputs. causal: top-left within the block.
 
 On CPU, torch's fused kernel (`_scaled_dot_product_flash_attention_for_cpu` and its
@@ -13,6 +13,7 @@ registered backward). Elsewhere (CUDA with NCCL, ...), the same math in plain to
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from sdpa.inputs import HALF_DTYPES
 
@@ -20,17 +21,34 @@ _cpu_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _pad(t: torch.Tensor, D: int) -> torch.Tensor:
+    """Zero features up to head size D: they change no score and no kept column."""
+    return t if t.shape[-1] == D else F.pad(t, (0, D - t.shape[-1]))
+
+
 def forward(q, k, v, bias, causal: bool, scale: float):
-    if q.device.type == "cpu":
-        return _cpu_forward(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-    return _math_forward(q, k, v, bias, causal, scale)
+    """out (B, Hq, r, Ev) and lse (B, Hq, r) of rows q against one block of keys."""
+    if q.device.type != "cpu":
+        return _math_forward(q, k, v, bias, causal, scale)
+    E, Ev = q.shape[-1], v.shape[-1]
+    D = max(E, Ev)  # the fused kernel takes one head size
+    out, lse = _cpu_forward(
+        _pad(q, D), _pad(k, D), _pad(v, D), 0.0, causal, attn_mask=bias, scale=scale
+    )
+    return out[..., :Ev], lse
 
 
 def backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
     """(dq, dk, dv) of this block, from the global out and lse of rows q."""
-    if q.device.type == "cpu":
-        return _cpu_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
-    return _math_backward(dout, q, k, v, out, lse, bias, causal, scale)
+    if q.device.type != "cpu":
+        return _math_backward(dout, q, k, v, out, lse, bias, causal, scale)
+    E, Ev = q.shape[-1], v.shape[-1]
+    D = max(E, Ev)
+    dq, dk, dv = _cpu_backward(
+        _pad(dout, D), _pad(q, D), _pad(k, D), _pad(v, D), _pad(out, D), lse,
+        0.0, causal, attn_mask=bias, scale=scale,
+    )  # fmt: skip
+    return dq[..., :E], dk[..., :E], dv[..., :Ev]
 
 
 MATH_CHUNK_BYTES = 64 * 2**20  # scores of one chunk of query rows in the math kernels

@@ -16,15 +16,14 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from sdpa import masks
 from sdpa.distributed import kernels, plan
-from sdpa.distributed.comm import Ring, RingError
+from sdpa.distributed.comm import Ring, RingError, mask_digest, valid_timeout
 from sdpa.distributed.layout import check_layout, runs
 from sdpa.distributed.weights import RingWeights
 from sdpa.functional import AttentionResult
-from sdpa.inputs import HALF_DTYPES, normalize
+from sdpa.inputs import HALF_DTYPES, _check_structured, normalize
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for its peers before raising
 
@@ -56,11 +55,13 @@ class _Setup(NamedTuple):
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k and v in one flat buffer: one message per ring step."""
+    """k (B, Hkv, m, E) and v (B, Hkv, m, Ev) in one flat buffer (B*Hkv*m*(E+Ev),):
+    one message per ring step."""
     return torch.cat([k.reshape(-1), v.reshape(-1)])
 
 
 def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat buffer back as views k (B, Hkv, m, E) and v (B, Hkv, m, Ev)."""
     nk = math.prod(k_shape)
     return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
 
@@ -75,10 +76,11 @@ def _merge(acc, acc_lse, out, lse) -> None:
 
 
 def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Hq, n, D), k and v (B, Hkv, m, D) -> out (B, Hq, n, D), lse (B, Hq, n)."""
+    """q (B, Hq, n, E), k (B, Hkv, m, E), v (B, Hkv, m, Ev) -> out (B, Hq, n, Ev),
+    lse (B, Hq, n)."""
     ring = setup.ring
     cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
-    acc = torch.zeros(q.shape, dtype=cd, device=q.device)  # (B, Hq, n, D)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=cd, device=q.device)  # (B, Hq, n, Ev)
     acc_lse = torch.full(q.shape[:-1], -torch.inf, dtype=cd, device=q.device)  # (B, Hq, n)
     kv = _pack(k, v)
     spare = torch.empty_like(kv) if ring.world > 1 else kv  # the shard arriving
@@ -94,7 +96,7 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                 lse = lse.masked_fill(~c.alive[:, None], -torch.inf)
             _merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
         if works:
-            ring.finish(works, step)
+            ring.finish(works, step, "forward")
             kv, spare = spare, kv
     lse = acc_lse.masked_fill(torch.isneginf(acc_lse), 0.0)  # rows that saw no key anywhere
     return acc.to(q.dtype), lse
@@ -126,9 +128,9 @@ def _ring_backward(setup: _Setup, q, k, v, out, lse, dout):
             dv[:, :, c.cols] += gv
         dworks = ring.start_rotate(dkv, dspare)  # one hop more than K/V: home at the end
         if works:
-            ring.finish(works, step)
+            ring.finish(works, step, "backward")
             kv, spare = spare, kv
-        ring.finish(dworks, step)
+        ring.finish(dworks, step, "backward")
         dkv, dspare = dspare, dkv
     dk, dv = _unpack(dkv, k.shape, v.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -173,11 +175,10 @@ def _header(query, key, value, mask, causal, scale, layout, world) -> dict:
                 f"layout='zigzag' needs an even shard length (two chunks per rank), got "
                 f"{name} shards of {length}; pad the sequence to a multiple of {2 * world}"
             )
-    if mask is not None:
-        mask.validate(n * world, m * world)
-        B = math.prod(inputs.query.shape[:1])
-        if mask.batch is not None and mask.batch != B:
-            raise ValueError(f"mask has a batch dim of {mask.batch}, the inputs have {B}")
+    if mask is not None:  # the same rule as sdpa.attention's, at the whole sequence's size
+        has_heads = max(t.ndim for t in (query, key, value)) >= 4
+        batch = inputs.lead[:-1] if has_heads else inputs.lead
+        _check_structured(mask, batch, n * world, m * world)
     return {
         "query": list(query.shape),
         "key": list(key.shape),
@@ -187,7 +188,7 @@ def _header(query, key, value, mask, causal, scale, layout, world) -> dict:
         "causal": bool(causal),
         "scale": inputs.scale,
         "layout": layout,
-        "mask": repr(mask),
+        "mask": mask_digest(mask),
     }
 
 
@@ -233,9 +234,11 @@ def ring_attention(
     seconds with RingTimeoutError; ranks that disagree, or a rank whose arguments are
     invalid, make every rank raise.
     """
-    ring = Ring(group, timeout)
+    ring = Ring(group, timeout if valid_timeout(timeout) else DEFAULT_TIMEOUT)
     error, header = None, None
     try:
+        if not valid_timeout(timeout):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         header = _header(query, key, value, mask, causal, scale, layout, ring.world)
     except (TypeError, ValueError) as e:
         error, header = e, {"error": f"{type(e).__name__}: {e}"}
@@ -247,14 +250,9 @@ def ring_attention(
 
     inputs = normalize(query, key, value, None, scale=scale)
     q, k, v = inputs.query, inputs.key, inputs.value  # (B, Hq, n, E), (B, Hkv, m, E|Ev)
-    E, Ev = q.shape[-1], v.shape[-1]
-    if E < Ev:  # one head size for the kernels: zero features change no score
-        q, k = F.pad(q, (0, Ev - E)), F.pad(k, (0, Ev - E))
-    elif Ev < E:
-        v = F.pad(v, (0, E - Ev))
     setup = _Setup(ring, q.shape[2], k.shape[2], mask, bool(causal), inputs.scale, layout)
-    out, lse = _RingFunction.apply(q, k, v, setup)
-    out = out[..., :Ev].reshape(*inputs.lead, q.shape[2], Ev)  # (..., n, Ev)
+    out, lse = _RingFunction.apply(q, k, v, setup)  # (B, Hq, n, Ev), (B, Hq, n)
+    out = out.reshape(*inputs.lead, q.shape[2], v.shape[-1])  # (..., n, Ev)
     rule = masks.causal("top-left") if causal else None
     if mask is not None:
         rule = mask if rule is None else mask & rule

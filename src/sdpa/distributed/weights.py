@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from sdpa import masks
-from sdpa.distributed.comm import Ring
+from sdpa.distributed.comm import Ring, RingError
 from sdpa.distributed.layout import positions, unshard
 from sdpa.functional import _fused
 from sdpa.inputs import normalize
@@ -85,13 +85,40 @@ class RingWeights:
         r = self._ring
         return f"RingWeights(shape={tuple(self.shape)}, rank={r.rank} of {r.world}, lazy)"
 
-    def _local(self) -> AttentionWeights:
-        """AttentionWeights of the local queries over the gathered keys (a collective)."""
+    def _check_fresh(self) -> None:
         if (_version(self._query), _version(self._key)) != self._versions:
             raise StaleWeightsError(
                 "the query or key shard changed in place after ring_attention, so these "
                 "weights would describe other inputs; read them before the update"
             )
+
+    def _ask(self, question: str, dim: int | None = None) -> None:
+        """Agree with every rank on the question before any collective work: a rank whose
+        check fails makes every rank raise at once instead of waiting out the timeout."""
+        error, header = None, {"question": question}
+        try:
+            self._check_fresh()
+            if dim is not None and dim not in (-2, len(self.shape) - 2):
+                raise ValueError(
+                    f"{question} works over the queries, dim=-2 (-> (..., m): attention each "
+                    f"of this rank's keys receives), got dim={dim}"
+                )
+        except (StaleWeightsError, ValueError) as e:
+            error, header = e, {"error": f"{type(e).__name__}: {e}"}
+        headers = self._ring.agree(header, self.device)
+        if error is not None:
+            raise error
+        asked = [h["question"] for h in headers]
+        if len(set(asked)) > 1:
+            raise RingError(
+                f"rank {self._ring.rank}: the ranks asked different questions of their ring "
+                f"weights ({', '.join(f'rank {r} {q}' for r, q in enumerate(asked))}); each "
+                f"is a collective: every rank asks the same one at the same time"
+            )
+
+    def _local(self, question: str, dim: int | None = None) -> AttentionWeights:
+        """AttentionWeights of the local queries over the gathered keys (a collective)."""
+        self._ask(question, dim)
         ring = self._ring
         keys = unshard(ring.all_gather(self._key.detach()), layout=self._layout)  # (..., S, E)
         mask = None
@@ -102,24 +129,24 @@ class RingWeights:
         return AttentionWeights(inputs, self._lse, _fused)
 
     def __getitem__(self, index: object) -> torch.Tensor:
-        return self._local()[index]
+        return self._local("rows")[index]
 
     def full(self, max_bytes: int | None = 2**30) -> torch.Tensor:
-        return self._local().full(max_bytes)
+        return self._local("rows").full(max_bytes)
 
     def entropy(self) -> torch.Tensor:
-        return self._local().entropy()
+        return self._local("entropy").entropy()
 
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._local().topk(k)
+        return self._local("topk").topk(k)
 
     def amax(self, dim: int = -1) -> torch.Tensor:
-        return self._local().amax(dim)
+        return self._local("amax").amax(dim)
 
     def sum(self, dim: int = -2) -> torch.Tensor:
         """Attention each of this rank's keys receives from all L queries: (..., m)."""
-        local = self._local()
-        received = self._ring.all_reduce(local.sum(dim).contiguous())  # (..., S)
+        local = self._local("sum", dim)
+        received = self._ring.all_reduce(local.sum(-2).contiguous())  # (..., S)
         ring = self._ring
         own = positions(self._m, ring.rank, ring.world, self._layout).to(received.device)
         return received.index_select(-1, own)
