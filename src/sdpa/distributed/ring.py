@@ -103,19 +103,24 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ring_backward(setup: _Setup, q, k, v, out, lse, dout):
-    """The gradients of q, k and v; dK/dV travel with their shard and come home."""
+    """The gradients of q, k and v. Each shard's dK/dV accumulate as it travels: a step's
+    share is computed into `share` while the accumulator from the previous rank is still
+    arriving, then added and sent on; one hop more than K/V brings it home."""
     ring = setup.ring
     cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
     dq = torch.zeros(q.shape, dtype=cd, device=q.device)
     kv = _pack(k, v)
-    spare = torch.empty_like(kv)
-    dkv = torch.zeros(kv.shape, dtype=cd, device=q.device)  # the visiting shard's dK, dV
-    dspare = torch.empty_like(dkv)
+    spare = torch.empty_like(kv) if ring.world > 1 else kv
+    share = torch.empty(kv.shape, dtype=cd, device=q.device)  # this step's dK, dV
+    dkv = torch.empty_like(share)  # the accumulator arriving with the shard
+    dspare = torch.empty_like(share)
+    dworks: list = []
     dout = dout.contiguous()
     for step in range(ring.world):
         works = ring.start_rotate(kv, spare) if step < ring.world - 1 else []
         kk, vv = _unpack(kv, k.shape, v.shape)
-        dk, dv = _unpack(dkv, k.shape, v.shape)
+        share.zero_()
+        dk, dv = _unpack(share, k.shape, v.shape)
         for c in setup.calls((ring.rank - step) % ring.world, q.device):
             r = c.rows
             gq, gk, gv = kernels.backward(
@@ -126,13 +131,18 @@ def _ring_backward(setup: _Setup, q, k, v, out, lse, dout):
             dq[:, :, r] += gq
             dk[:, :, c.cols] += gk
             dv[:, :, c.cols] += gv
-        dworks = ring.start_rotate(dkv, dspare)  # one hop more than K/V: home at the end
+        if step == 0:
+            dkv.copy_(share)
+        else:
+            ring.finish(dworks, step - 1, "backward")
+            dkv, dspare = dspare, dkv  # arrived: the accumulator of the shard held now
+            dkv += share
+        dworks = ring.start_rotate(dkv, dspare)  # on to the next rank, over the next step
         if works:
             ring.finish(works, step, "backward")
             kv, spare = spare, kv
-        ring.finish(dworks, step, "backward")
-        dkv, dspare = dspare, dkv
-    dk, dv = _unpack(dkv, k.shape, v.shape)
+    ring.finish(dworks, ring.world - 1, "backward")
+    dk, dv = _unpack(dspare, k.shape, v.shape)  # home: this rank's own shard
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
