@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,6 @@ class Ring:
         self.next = (self.rank + 1) % self.world
         self.prev = (self.rank - 1) % self.world
         self.timeout = timeout
-        self.bytes_sent = 0
         # p2p ops take global ranks
         self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
 
@@ -116,17 +115,16 @@ class Ring:
             raise RingError(f"rank {self.rank}: rank {rank} failed: {message}")
         return headers
 
-    def start_rotate(self, send: torch.Tensor, recv: torch.Tensor) -> list:
-        """Send `send` to the next rank and receive the previous rank's into `recv`,
-        without waiting: the transfer overlaps whatever runs before `finish`."""
+    def start_rotate(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> list:
+        """Send the tensors `send` to the next rank and receive the previous rank's into
+        `recv`, without waiting: the transfer overlaps whatever runs before `finish`."""
         if self.world == 1:  # the ring is this rank alone
-            recv.copy_(send)
+            for s, r in zip(send, recv, strict=True):
+                r.copy_(s)
             return []
-        ops = [
-            dist.P2POp(dist.isend, send, self._global[self.next], self.group),
-            dist.P2POp(dist.irecv, recv, self._global[self.prev], self.group),
-        ]
-        self.bytes_sent += send.numel() * send.element_size()
+        nxt, prev = self._global[self.next], self._global[self.prev]
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, prev, self.group) for t in recv]
         return dist.batch_isend_irecv(ops)
 
     def finish(self, works: list, step: int, what: str) -> None:

@@ -6,8 +6,8 @@ while the current shard is attended to; the partial results of each shard are me
 exactly by their log-sum-exps. The backward pass is a second ring: each shard's dK/dV
 accumulate as it travels and arrive home after one more hop.
 
-Per rank the forward holds its shards, two key/value buffers (the one attended to and
-the one arriving) and the output accumulator: memory falls as 1/ranks.
+Per rank the forward holds its shards, the key/value shard arriving (two buffers that
+alternate from 3 ranks on) and the output accumulator: memory falls as 1/ranks.
 """
 
 from __future__ import annotations
@@ -54,16 +54,36 @@ class _Setup(NamedTuple):
         return plan.calls(q_runs, k_runs, self.mask, self.causal, self.L, self.S, device)
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k (B, Hkv, m, E) and v (B, Hkv, m, Ev) in one flat buffer (B*Hkv*m*(E+Ev),):
-    one message per ring step."""
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
-
-
 def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flat buffer back as views k (B, Hkv, m, E) and v (B, Hkv, m, Ev)."""
+    """A flat buffer (numel k + numel v,) as views k (B, Hkv, m, E), v (B, Hkv, m, Ev)."""
     nk = math.prod(k_shape)
     return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
+
+
+class _Shards:
+    """The key/value shard a rank attends to at each step, and the buffers the next one
+    arrives in: step 0 sends the rank's own k and v (no copy), later steps pass on
+    what arrived. Two buffers alternate (one for 2 ranks, none for 1)."""
+
+    def __init__(self, ring: Ring, k: torch.Tensor, v: torch.Tensor):
+        self.ring = ring
+        self.current = (k.contiguous(), v.contiguous())  # (B, Hkv, m, E), (B, Hkv, m, Ev)
+        self.buffers = [
+            tuple(torch.empty_like(t) for t in self.current) for _ in range(min(2, ring.world - 1))
+        ]
+        self.arriving = None
+
+    def start(self, step: int) -> list:
+        """Start the transfer that brings the next step's shard (none at the last)."""
+        if step == self.ring.world - 1:
+            return []
+        self.arriving = self.buffers[step % len(self.buffers)]
+        return self.ring.start_rotate(self.current, self.arriving)
+
+    def finish(self, works: list, step: int, what: str) -> None:
+        if works or self.arriving is not None:
+            self.ring.finish(works, step, what)
+            self.current, self.arriving = self.arriving, None
 
 
 def _merge(acc, acc_lse, out, lse) -> None:
@@ -82,11 +102,10 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
     acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=cd, device=q.device)  # (B, Hq, n, Ev)
     acc_lse = torch.full(q.shape[:-1], -torch.inf, dtype=cd, device=q.device)  # (B, Hq, n)
-    kv = _pack(k, v)
-    spare = torch.empty_like(kv) if ring.world > 1 else kv  # the shard arriving
+    shards = _Shards(ring, k, v)
     for step in range(ring.world):
-        works = ring.start_rotate(kv, spare) if step < ring.world - 1 else []
-        kk, vv = _unpack(kv, k.shape, v.shape)
+        works = shards.start(step)
+        kk, vv = shards.current
         for c in setup.calls((ring.rank - step) % ring.world, q.device):
             out, lse = kernels.forward(
                 q[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols],
@@ -95,9 +114,7 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             if c.alive is not None:  # rows that saw no key here: lse 0 from the kernel
                 lse = lse.masked_fill(~c.alive[:, None], -torch.inf)
             _merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
-        if works:
-            ring.finish(works, step, "forward")
-            kv, spare = spare, kv
+        shards.finish(works, step, "forward")
     lse = acc_lse.masked_fill(torch.isneginf(acc_lse), 0.0)  # rows that saw no key anywhere
     return acc.to(q.dtype), lse
 
@@ -109,16 +126,15 @@ def _ring_backward(setup: _Setup, q, k, v, out, lse, dout):
     ring = setup.ring
     cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
     dq = torch.zeros(q.shape, dtype=cd, device=q.device)
-    kv = _pack(k, v)
-    spare = torch.empty_like(kv) if ring.world > 1 else kv
-    share = torch.empty(kv.shape, dtype=cd, device=q.device)  # this step's dK, dV
+    shards = _Shards(ring, k, v)
+    share = torch.empty(k.numel() + v.numel(), dtype=cd, device=q.device)  # step's dK, dV
     dkv = torch.empty_like(share)  # the accumulator arriving with the shard
     dspare = torch.empty_like(share)
     dworks: list = []
     dout = dout.contiguous()
     for step in range(ring.world):
-        works = ring.start_rotate(kv, spare) if step < ring.world - 1 else []
-        kk, vv = _unpack(kv, k.shape, v.shape)
+        works = shards.start(step)
+        kk, vv = shards.current
         share.zero_()
         dk, dv = _unpack(share, k.shape, v.shape)
         for c in setup.calls((ring.rank - step) % ring.world, q.device):
@@ -137,10 +153,8 @@ def _ring_backward(setup: _Setup, q, k, v, out, lse, dout):
             ring.finish(dworks, step - 1, "backward")
             dkv, dspare = dspare, dkv  # arrived: the accumulator of the shard held now
             dkv += share
-        dworks = ring.start_rotate(dkv, dspare)  # on to the next rank, over the next step
-        if works:
-            ring.finish(works, step, "backward")
-            kv, spare = spare, kv
+        dworks = ring.start_rotate([dkv], [dspare])  # on to the next rank, over the next step
+        shards.finish(works, step, "backward")
     ring.finish(dworks, ring.world - 1, "backward")
     dk, dv = _unpack(dspare, k.shape, v.shape)  # home: this rank's own shard
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
