@@ -1,4 +1,4 @@
-"""Ring attention across 1, 2 and 4 gloo processes: memory and traffic per rank.
+"""Ring attention across 1, 2, 4 and 8 gloo processes: memory and traffic per rank.
 
 For each number of ranks, one process per rank holds only its shard of a (1, 4, L, 32)
 float32 self-attention (default L = 65536) and runs one forward of
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=65536, help="L = S (default 65536)")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--json", help="write results and environment here")
     parser.add_argument("--markdown", help="print the table of an earlier --json run and exit")
