@@ -157,12 +157,8 @@ def stats_rows(reps: int) -> list[dict]:
 def _chunked(fn):
     from sdpa import weights
 
-    old = weights.KERNEL_DEVICES
-    weights.KERNEL_DEVICES = set()
-    try:
+    with weights.chunked_engine():
         return fn()
-    finally:
-        weights.KERNEL_DEVICES = old
 
 
 def table(fwd: list[dict], stats: list[dict]) -> str:

@@ -218,12 +218,8 @@ def triton_kernels():
 
 
 def _chunked(fn):
-    old = weights.KERNEL_DEVICES
-    weights.KERNEL_DEVICES = set()
-    try:
+    with weights.chunked_engine():
         return fn()
-    finally:
-        weights.KERNEL_DEVICES = old
 
 
 @pytest.mark.cuda

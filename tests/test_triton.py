@@ -206,12 +206,8 @@ def kernel_calls(monkeypatch):
 
 def _chunked(w, what):
     """The chunked engine's answer (kernels off)."""
-    old = weights.KERNEL_DEVICES
-    weights.KERNEL_DEVICES = set()
-    try:
+    with weights.chunked_engine():
         return what(w)
-    finally:
-        weights.KERNEL_DEVICES = old
 
 
 MASKS = {

@@ -37,6 +37,18 @@ KERNEL_MASK_BYTES = 64 * 2**20
 KERNEL_LSE_LIMIT = 1024.0
 
 
+@contextlib.contextmanager
+def chunked_engine():
+    """Within it, every statistic comes from the chunked engine, on every device: the
+    reference the Triton kernels are checked and timed against."""
+    global KERNEL_DEVICES
+    saved, KERNEL_DEVICES = KERNEL_DEVICES, set()
+    try:
+        yield
+    finally:
+        KERNEL_DEVICES = saved
+
+
 class StaleWeightsError(RuntimeError):
     """q, k or the mask changed in place after the attention call."""
 

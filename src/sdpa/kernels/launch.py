@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 
 
@@ -43,3 +44,29 @@ def mask_args(mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tens
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8), mask.stride(), 1
     return mask, mask.stride(), 2
+
+
+@triton.jit
+def block_scores(
+    q, k, offs_m, offs_n, row_ok, col_ok, Mbh, sml, sms, scale_log2,
+    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Base-2 scores of one tile, q (BLOCK_M, BLOCK_D) . k (BLOCK_D, BLOCK_N) * scale_log2,
+    -inf where an edge, causality (top-left) or a bool mask excludes the key; a float
+    mask is added. Mbh: the mask of this (batch, head), rows and keys at strides sml, sms."""
+    if IEEE:  # noqa: SIM108 (a compile-time branch)
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale_log2  # (BLOCK_M, BLOCK_N)
+    valid = row_ok[:, None] & col_ok[None, :]
+    if CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None])
+    if MASK_KIND != 0:
+        m_ptrs = Mbh + offs_m[:, None] * sml + offs_n[None, :] * sms
+        mv = tl.load(m_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
+        if MASK_KIND == 1:
+            valid = valid & (mv != 0)
+        else:
+            s = s + mv.to(tl.float32) * 1.4426950408889634
+    return tl.where(valid, s, -float("inf"))

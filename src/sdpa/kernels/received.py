@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sdpa.kernels.launch import block, ieee, interpreting, launch_options, mask_args
+from sdpa.kernels.launch import (
+    block,
+    block_scores,
+    ieee,
+    interpreting,
+    launch_options,
+    mask_args,
+)
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -57,22 +64,22 @@ def _received(
             other=0.0,
         )  # (BLOCK_M, BLOCK_D)
         lse2 = tl.load(Lse + pid_bh * L + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-        if IEEE:  # noqa: SIM108 (a compile-time branch)
-            s = tl.dot(q.to(tl.float32), k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale_log2  # (BLOCK_M, BLOCK_N), base 2
-        valid = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        if MASK_KIND != 0:
-            m_ptrs = M + b * smb + h * smh + offs_m[:, None] * sml + offs_n[None, :] * sms
-            mv = tl.load(m_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
-            if MASK_KIND == 1:
-                valid = valid & (mv != 0)
-            else:
-                s = s + mv.to(tl.float32) * 1.4426950408889634
-        p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)  # -inf scores give 0
+        s = block_scores(
+            q,
+            k,
+            offs_m,
+            offs_n,
+            row_ok,
+            col_ok,
+            M + b * smb + h * smh,
+            sml,
+            sms,
+            scale_log2,
+            MASK_KIND,
+            CAUSAL,
+            IEEE,
+        )  # (BLOCK_M, BLOCK_N), base 2, -inf where excluded
+        p = tl.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N): 0 where excluded
         acc += tl.sum(p, 0)
     tl.store(Out + pid_bh * S + offs_n, acc, mask=col_ok)
 

@@ -18,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sdpa.kernels.launch import block, ieee, interpreting, launch_options, mask_args
+from sdpa.kernels.launch import (
+    block,
+    block_scores,
+    ieee,
+    interpreting,
+    launch_options,
+    mask_args,
+)
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -66,22 +73,21 @@ def _forward_stats(
             mask=col_ok[None, :] & (offs_d[:, None] < E),
             other=0.0,
         )  # (BLOCK_D, BLOCK_N)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale_log2  # (BLOCK_M, BLOCK_N), base 2
-        valid = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        if MASK_KIND != 0:
-            m_ptrs = M + b * smb + h * smh + offs_m[:, None] * sml + offs_n[None, :] * sms
-            mv = tl.load(m_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
-            if MASK_KIND == 1:
-                valid = valid & (mv != 0)
-            else:
-                s = s + mv.to(tl.float32) * 1.4426950408889634
-        s = tl.where(valid, s, -float("inf"))
+        s = block_scores(
+            q,
+            k,
+            offs_m,
+            offs_n,
+            row_ok,
+            col_ok,
+            M + b * smb + h * smh,
+            sml,
+            sms,
+            scale_log2,
+            MASK_KIND,
+            CAUSAL,
+            IEEE,
+        )  # (BLOCK_M, BLOCK_N), base 2, -inf where excluded
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with no key yet
         alpha = tl.exp2(m_i - m_safe)
