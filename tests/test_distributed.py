@@ -87,12 +87,11 @@ def test_gradients_match_single_process_autograd(group, request, case):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_is_as_close_as_single_process(group, request, dtype):
-    """Each block's output is rounded to the input dtype before the float32 merge: one
-    rounding per ring step, so within a small multiple of single-process attention's own
-    error against float64."""
+    """Blocks run in float32 and merge in float32; only the output is rounded to the
+    input dtype: against float64, as close as single-process attention in that dtype."""
     case = {"dtype": dtype, "causal": True, "layout": "zigzag", "mask": "padding"}
     for errors in _ok(group("compare", seed=_seed(request), **case)):
-        assert errors["out64"] <= 3 * errors["ref_out64"], errors
+        assert errors["out64"] <= 1.5 * errors["ref_out64"], errors
         assert errors["lse"] <= 1e-4, errors
 
 

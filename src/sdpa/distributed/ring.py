@@ -103,13 +103,14 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=cd, device=q.device)  # (B, Hq, n, Ev)
     acc_lse = torch.full(q.shape[:-1], -torch.inf, dtype=cd, device=q.device)  # (B, Hq, n)
     shards = _Shards(ring, k, v)
+    qc = q.to(cd)  # 16-bit inputs: blocks in float32, so the merge adds no rounding
     for step in range(ring.world):
         works = shards.start(step)
-        kk, vv = shards.current
+        kk, vv = (t.to(cd) for t in shards.current)  # (B, Hkv, m, E), (B, Hkv, m, Ev)
         for c in setup.calls((ring.rank - step) % ring.world, q.device):
             out, lse = kernels.forward(
-                q[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols],
-                plan.bias(c.keep, q.dtype), c.causal, setup.scale,
+                qc[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols],
+                plan.bias(c.keep, cd), c.causal, setup.scale,
             )  # fmt: skip
             if c.alive is not None:  # rows that saw no key here: lse 0 from the kernel
                 lse = lse.masked_fill(~c.alive[:, None], -torch.inf)
