@@ -95,6 +95,7 @@ def forward_rows(reps: int, use_flex: bool) -> list[dict]:
             ms = interleaved(fns, reps)
             mask = "causal" if causal else "dense"
             rows.append({"shape": label, "mask": mask, **ms, "flex_note": why, "max_abs_diff": err})
+            print(f"done: {rows[-1]}", flush=True)  # a timeout still leaves what was measured
     return rows
 
 
@@ -120,8 +121,8 @@ def _chunked_fns(q, k, v, causal: bool) -> dict[str, Callable[[], object]]:
 
     w = sdpa.attention(q, k, v, causal=causal).weights
     return {
-        "chunked entropy (old path)": lambda: _chunked(w.entropy),
-        "chunked received (old path)": lambda: _chunked(lambda: w.sum(dim=-2)),
+        "entropy without Triton (P.K call)": lambda: _chunked(w.entropy),
+        "received without Triton (chunked)": lambda: _chunked(lambda: w.sum(dim=-2)),
     }
 
 
@@ -141,6 +142,7 @@ def stats_rows(reps: int) -> list[dict]:
         ms = interleaved(_stats_fns(q, k, v, causal), reps)
         ms.update(interleaved(_chunked_fns(q, k, v, causal), reps=3, warmup=1))
         mask = "causal" if causal else "dense"
+        print(f"done: statistics {mask} {ms}", flush=True)
         for name, t in ms.items():
             rows.append(
                 {
@@ -220,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         env["triton"] = None
     fwd = forward_rows(args.reps, not args.no_flex)
+    if args.json:  # written after each part: a timeout keeps the forward rows
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "forward": fwd}, f, indent=1)
     stats = stats_rows(args.reps)
     if args.json:
         with open(args.json, "w") as f:

@@ -28,8 +28,9 @@ def unavailable() -> str | None:
         return "triton is not installed (pip install 'sdpa[gpu]')"
     try:
         import triton.language  # noqa: F401
-    except Exception as e:  # a broken install: say what failed
-        return f"triton does not import ({type(e).__name__}: {e})"
+        from triton import knobs  # noqa: F401  (triton >= 3.4)
+    except Exception as e:  # a broken install or an old triton: say what failed
+        return f"triton does not import what the kernels need ({type(e).__name__}: {e})"
     return None
 
 
