@@ -64,21 +64,11 @@ def _received(
             other=0.0,
         )  # (BLOCK_M, BLOCK_D)
         lse2 = tl.load(Lse + pid_bh * L + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+        # (BLOCK_M, BLOCK_N) base-2 scores, -inf where excluded
         s = block_scores(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            row_ok,
-            col_ok,
-            M + b * smb + h * smh,
-            sml,
-            sms,
-            scale_log2,
-            MASK_KIND,
-            CAUSAL,
-            IEEE,
-        )  # (BLOCK_M, BLOCK_N), base 2, -inf where excluded
+            q, k, offs_m, offs_n, row_ok, col_ok, M + b * smb + h * smh, sml, sms,
+            scale_log2, MASK_KIND, CAUSAL, IEEE,
+        )  # fmt: skip
         p = tl.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N): 0 where excluded
         acc += tl.sum(p, 0)
     tl.store(Out + pid_bh * S + offs_n, acc, mask=col_ok)

@@ -73,21 +73,11 @@ def _forward_stats(
             mask=col_ok[None, :] & (offs_d[:, None] < E),
             other=0.0,
         )  # (BLOCK_D, BLOCK_N)
+        # (BLOCK_M, BLOCK_N) base-2 scores, -inf where excluded
         s = block_scores(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            row_ok,
-            col_ok,
-            M + b * smb + h * smh,
-            sml,
-            sms,
-            scale_log2,
-            MASK_KIND,
-            CAUSAL,
-            IEEE,
-        )  # (BLOCK_M, BLOCK_N), base 2, -inf where excluded
+            q, k, offs_m, offs_n, row_ok, col_ok, M + b * smb + h * smh, sml, sms,
+            scale_log2, MASK_KIND, CAUSAL, IEEE,
+        )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with no key yet
         alpha = tl.exp2(m_i - m_safe)
