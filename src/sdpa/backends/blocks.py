@@ -98,6 +98,20 @@ def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:
     return out
 
 
+def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Keep-mask (bool) -> additive 0/-inf in `dtype`; float masks pass through.
+
+    Converts only the distinct entries: broadcast (stride-0) dims stay broadcast, so a
+    (B, 1, 1, S) key-padding mask costs O(B*S), not O(B*L*S).
+    """
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    base = distinct(mask)
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    bias = torch.where(base, zero, zero - torch.inf)  # one pass, no inverted copy
+    return bias.expand(mask.shape)
+
+
 def distinct(t: torch.Tensor) -> torch.Tensor:
     """The entries a broadcast view repeats: each stride-0 dim cut to size 1 (a view)."""
     sizes = [1 if st == 0 else n for n, st in zip(t.shape, t.stride(), strict=True)]

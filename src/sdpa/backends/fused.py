@@ -23,21 +23,6 @@ from sdpa.backends import blocks, cuda
 from sdpa.backends.base import Backend
 from sdpa.inputs import HALF_DTYPES, Inputs
 
-
-def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Keep-mask (bool) -> additive 0/-inf in `dtype`; float masks pass through.
-
-    Converts only the distinct entries: broadcast (stride-0) dims stay broadcast, so a
-    (B, 1, 1, S) key-padding mask costs O(B*S), not O(B*L*S).
-    """
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    base = blocks.distinct(mask)
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    bias = torch.where(base, zero, zero - torch.inf)  # one pass, no inverted copy
-    return bias.expand(mask.shape)
-
-
 # torch's own Python binding is ~1.5 us faster per call than torch.ops dispatch
 _cpu_op = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None) or (
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -96,7 +81,7 @@ def _run_pieces(
                 qp.shape[:-1], dtype=torch.float32 if q.dtype in HALF_DTYPES else q.dtype
             )
         else:
-            mask = _float_mask(blocks.keep(inputs, p), q.dtype) if p.masked else None
+            mask = blocks.additive(blocks.keep(inputs, p), q.dtype) if p.masked else None
             kp, vp = k[p.batch, :, p.k0 : p.k1], v[p.batch, :, p.k0 : p.k1]
             out, lse = kernel(qp, kp, vp, mask, False, inputs.scale)
         groups.setdefault((p.batch.start, p.batch.stop), []).append((out, lse))
@@ -158,7 +143,7 @@ class Fused(Backend):
             # (a plan with no kernel call at all would cut the output from autograd)
             if isinstance(mask, masks.Mask):
                 mask = _as_4d(mask.materialize(L, S, q.device))
-            mask = _float_mask(mask, q.dtype)
+            mask = blocks.additive(mask, q.dtype)
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale)
         else:
             out, lse = _run_pieces(inputs, pieces, q, k, v, kernel)

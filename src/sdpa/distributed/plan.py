@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from sdpa import masks
+from sdpa.backends import blocks
 from sdpa.distributed.layout import Run
 
 MASK_CHUNK_BYTES = 16 * 2**20  # bool keep + float bias of one chunk of query rows
@@ -91,7 +92,4 @@ def _masked(qr: Run, kr: Run, rule: masks.Mask, L: int, S: int, device) -> Itera
 
 def bias(keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """Keep (Bm, r, c) -> additive (Bm, 1, r, c): 0 where kept, -inf elsewhere."""
-    if keep is None:
-        return None
-    zero = torch.zeros((), dtype=dtype, device=keep.device)
-    return torch.where(keep, zero, zero - torch.inf)[:, None]
+    return None if keep is None else blocks.additive(keep[:, None], dtype)
