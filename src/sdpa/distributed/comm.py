@@ -12,11 +12,15 @@ import datetime
 import hashlib
 import json
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from sdpa import masks
+
 HEADER_BYTES = 4096
+T = TypeVar("T")
 
 
 def valid_timeout(timeout: object) -> bool:
@@ -35,7 +39,7 @@ def mask_digest(mask: object) -> str:
             t = value.detach().cpu().contiguous()
             h.update(str((t.dtype, tuple(t.shape))).encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif hasattr(value, "keep"):  # a mask inside a combination
+        elif isinstance(value, masks.Mask):  # a mask inside a combination
             h.update(mask_digest(value).encode())
         else:
             h.update(repr(value).encode())
@@ -54,14 +58,13 @@ class Ring:
     """This rank's place in the group's ring: it receives from `prev`, sends to `next`."""
 
     def __init__(self, group: dist.ProcessGroup | None, timeout: float):
+        """timeout: seconds every wait may take (valid_timeout(timeout) must hold)."""
         if not dist.is_available() or not dist.is_initialized():  # local: before any collective
             raise RuntimeError(
                 "ring attention needs torch.distributed initialised: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets "
                 "the environment for it)"
             )
-        if not valid_timeout(timeout):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -90,14 +93,10 @@ class Ring:
             text = json.dumps({"error": f"a header of {len(text)} bytes: {text[:200]!r}"}).encode()
         mine = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
         mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        work = dist.all_gather(every, mine, group=self.group, async_op=True)
-        self._wait(
-            [work],
-            lambda: (
-                f"not every rank of the group reached ring attention within "
-                f"{self.timeout} s (a rank failed before it, or does not call it)"
-            ),
+        every = self.all_gather(
+            mine,
+            "not every rank of the group reached ring attention (a rank failed before it, "
+            "or does not call it)",
         )
         headers = []
         for rank, t in enumerate(every):
@@ -114,6 +113,20 @@ class Ring:
             rank, message = failed[0]
             raise RingError(f"rank {self.rank}: rank {rank} failed: {message}")
         return headers
+
+    def check_then_agree(
+        self, check: Callable[[], tuple[dict, T]], device: torch.device, catch: tuple
+    ) -> tuple[list[dict], T]:
+        """Run this rank's own checks (`check` returns the header to agree on and a value
+        for the caller), then exchange headers as `agree` does. An exception of a type in
+        `catch` is first announced to every rank (they raise RingError naming this one),
+        then raised here: a local failure never leaves the others waiting."""
+        try:
+            header, value = check()
+        except catch as e:
+            self.agree({"error": f"{type(e).__name__}: {e}"}, device)
+            raise
+        return self.agree(header, device), value
 
     def start_rotate(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> list:
         """Send the tensors `send` to the next rank and receive the previous rank's into
@@ -143,9 +156,11 @@ class Ring:
         self._wait([work], lambda: f"the sum over ranks did not finish within {self.timeout} s")
         return t
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(
+        self, t: torch.Tensor, reason: str = "the gather over ranks did not finish"
+    ) -> list[torch.Tensor]:
         """Every rank's t (same shape everywhere), in rank order."""
         every = [torch.empty_like(t) for _ in range(self.world)]
         work = dist.all_gather(every, t.contiguous(), group=self.group, async_op=True)
-        self._wait([work], lambda: f"the gather over ranks did not finish within {self.timeout} s")
+        self._wait([work], lambda: f"{reason}, within {self.timeout} s")
         return every

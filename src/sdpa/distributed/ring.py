@@ -81,7 +81,7 @@ class _Shards:
         return self.ring.start_rotate(self.current, self.arriving)
 
     def finish(self, works: list, step: int, what: str) -> None:
-        if works or self.arriving is not None:
+        if self.arriving is not None:
             self.ring.finish(works, step, what)
             self.current, self.arriving = self.arriving, None
 
@@ -177,8 +177,11 @@ class _RingFunction(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _header(query, key, value, mask, causal, scale, layout, world) -> dict:
-    """This rank's view of the call, validated; what every rank must agree on."""
+def _header(query, key, value, mask, causal, scale, layout, timeout, world):
+    """This rank's view of the call, validated: (what every rank must agree on, the
+    normalised inputs)."""
+    if not valid_timeout(timeout):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if mask is not None and not isinstance(mask, masks.Mask):
         raise TypeError(
             f"ring_attention takes a structured mask (sdpa.masks: padding, documents, "
@@ -204,7 +207,7 @@ def _header(query, key, value, mask, causal, scale, layout, world) -> dict:
         has_heads = max(t.ndim for t in (query, key, value)) >= 4
         batch = inputs.lead[:-1] if has_heads else inputs.lead
         _check_structured(mask, batch, n * world, m * world)
-    return {
+    header = {
         "query": list(query.shape),
         "key": list(key.shape),
         "value": list(value.shape),
@@ -215,6 +218,7 @@ def _header(query, key, value, mask, causal, scale, layout, world) -> dict:
         "layout": layout,
         "mask": mask_digest(mask),
     }
+    return header, inputs
 
 
 def _check_agreement(headers: list[dict], rank: int) -> None:
@@ -260,20 +264,13 @@ def ring_attention(
     invalid, make every rank raise.
     """
     ring = Ring(group, timeout if valid_timeout(timeout) else DEFAULT_TIMEOUT)
-    error, header = None, None
-    try:
-        if not valid_timeout(timeout):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        header = _header(query, key, value, mask, causal, scale, layout, ring.world)
-    except (TypeError, ValueError) as e:
-        error, header = e, {"error": f"{type(e).__name__}: {e}"}
     device = query.device if isinstance(query, torch.Tensor) else torch.device("cpu")
-    headers = ring.agree(header, device)
-    if error is not None:
-        raise error
+    headers, inputs = ring.check_then_agree(
+        lambda: _header(query, key, value, mask, causal, scale, layout, timeout, ring.world),
+        device,
+        (TypeError, ValueError),
+    )
     _check_agreement(headers, ring.rank)
-
-    inputs = normalize(query, key, value, None, scale=scale)
     q, k, v = inputs.query, inputs.key, inputs.value  # (B, Hq, n, E), (B, Hkv, m, E|Ev)
     setup = _Setup(ring, q.shape[2], k.shape[2], mask, bool(causal), inputs.scale, layout)
     out, lse = _RingFunction.apply(q, k, v, setup)  # (B, Hq, n, Ev), (B, Hq, n)

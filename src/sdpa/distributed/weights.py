@@ -95,19 +95,19 @@ class RingWeights:
     def _ask(self, question: str, dim: int | None = None) -> None:
         """Agree with every rank on the question before any collective work: a rank whose
         check fails makes every rank raise at once instead of waiting out the timeout."""
-        error, header = None, {"question": question}
-        try:
+
+        def check() -> tuple[dict, None]:
             self._check_fresh()
             if dim is not None and dim not in (-2, len(self.shape) - 2):
                 raise ValueError(
                     f"{question} works over the queries, dim=-2 (-> (..., m): attention each "
                     f"of this rank's keys receives), got dim={dim}"
                 )
-        except (StaleWeightsError, ValueError) as e:
-            error, header = e, {"error": f"{type(e).__name__}: {e}"}
-        headers = self._ring.agree(header, self.device)
-        if error is not None:
-            raise error
+            return {"question": question}, None
+
+        headers, _ = self._ring.check_then_agree(
+            check, self.device, (StaleWeightsError, ValueError)
+        )
         asked = [h["question"] for h in headers]
         if len(set(asked)) > 1:
             raise RingError(
