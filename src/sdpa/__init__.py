@@ -1,10 +1,16 @@
 """sdpa: scaled dot-product attention for PyTorch that is fast and shows its work."""
 
 from sdpa import masks
-from sdpa.backends import NotSupportedError
+from sdpa.errors import (
+    NotSupportedError,
+    SdpaTypeError,
+    SdpaValueError,
+    StaleWeightsError,
+    WeightsTooLargeError,
+)
 from sdpa.functional import AttentionResult, attention, scaled_dot_product_attention
 from sdpa.nn import MultiHeadAttention, PositionalEncoding, SpatialSelfAttention
-from sdpa.weights import AttentionWeights, StaleWeightsError, WeightsTooLargeError
+from sdpa.weights import AttentionWeights
 
 __all__ = [
     "AttentionResult",
@@ -12,6 +18,8 @@ __all__ = [
     "MultiHeadAttention",
     "NotSupportedError",
     "PositionalEncoding",
+    "SdpaTypeError",
+    "SdpaValueError",
     "SpatialSelfAttention",
     "StaleWeightsError",
     "WeightsTooLargeError",

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from sdpa.backends import BACKENDS, select
+from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, no_autocast, normalize
 from sdpa.weights import AttentionWeights
 
@@ -94,7 +95,7 @@ def scaled_dot_product_attention(
     and float masks of any float dtype.
     """
     if attn_mask is not None and is_causal:
-        raise ValueError(
+        raise SdpaValueError(
             "attn_mask and is_causal=True were both given; torch's documentation makes this "
             "an error. AND the causal mask into attn_mask yourself, or use "
             "sdpa.attention(q, k, v, mask, causal=True)"

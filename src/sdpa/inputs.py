@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from sdpa import masks
+from sdpa.errors import SdpaTypeError, SdpaValueError
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -58,9 +59,9 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise SdpaTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.ndim < 2:
-        raise ValueError(
+        raise SdpaValueError(
             f"{name} must have at least 2 dims (..., length, features), got shape {_shape(t)}"
         )
     return t
@@ -114,7 +115,7 @@ def _broadcast(what: str, shapes: list[tuple[int, ...]], names: list[str]) -> tu
     out = _broadcast_shape(*shapes)
     if out is None:
         seen = ", ".join(f"{n} {s}" for n, s in zip(names, shapes, strict=True))
-        raise ValueError(
+        raise SdpaValueError(
             f"the {what} of query, key and value must broadcast (equal, or 1), got {seen}"
         )
     return out
@@ -136,7 +137,7 @@ def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool)
 
 def _check_mask_type(mask: object) -> None:
     if mask is not None and not isinstance(mask, torch.Tensor | masks.Mask):
-        raise TypeError(
+        raise SdpaTypeError(
             f"mask must be None, a torch.Tensor (bool/int: nonzero takes part; float: added "
             f"to the scores) or an sdpa.masks object, got {type(mask).__name__}"
         )
@@ -145,7 +146,7 @@ def _check_mask_type(mask: object) -> None:
 def _check_structured(mask: masks.Mask, batch: tuple[int, ...], L: int, S: int) -> None:
     mask.validate(L, S)
     if mask.batch is not None and batch != (mask.batch,):
-        raise ValueError(
+        raise SdpaValueError(
             f"{mask!r} has a batch dim of {mask.batch}, so the inputs need exactly one batch "
             f"dim of that size ((B, H, L, E) or (B, L, E)), got batch dims {batch}"
         )
@@ -155,7 +156,7 @@ def _normalize_mask(
     mask: torch.Tensor, query: torch.Tensor, lead: tuple[int, ...], L: int, S: int
 ) -> torch.Tensor:
     if mask.device != query.device:
-        raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
+        raise SdpaValueError(f"mask is on {mask.device} but query is on {query.device}")
     if mask.dtype == torch.bool:
         pass
     elif mask.is_floating_point():
@@ -164,12 +165,12 @@ def _normalize_mask(
         if mask.dtype not in (want, query.dtype):
             mask = mask.to(want)
     elif mask.is_complex():
-        raise TypeError(f"mask must be bool, integer or real floating, got {mask.dtype}")
+        raise SdpaTypeError(f"mask must be bool, integer or real floating, got {mask.dtype}")
     else:  # integer keep-mask, the listing's convention: nonzero takes part
         mask = mask != 0
     target = (*lead, L, S)
     if mask.ndim > len(target) or _broadcast_shape(_shape(mask), target) != target:
-        raise ValueError(
+        raise SdpaValueError(
             f"mask of shape {_shape(mask)} does not broadcast to the weights' shape {target} "
             f"(..., L={L}, S={S}); a 2-D mask is (L, S), key padding is "
             f"{'(B, 1, 1, S)' if len(lead) >= 2 else '(N, 1, S) for 3-D inputs'}"
@@ -185,7 +186,7 @@ def _check_scale(scale: object, E: int, torch_semantics: bool) -> float:
         value = float(scale)
         if torch_semantics or (not isinstance(scale, bool) and math.isfinite(value)):
             return value
-    raise ValueError(f"scale must be a finite number or None (1/sqrt(E)), got {scale!r}")
+    raise SdpaValueError(f"scale must be a finite number or None (1/sqrt(E)), got {scale!r}")
 
 
 def normalize(
@@ -216,17 +217,17 @@ def normalize(
         query, key, value, mask = _autocast([query, key, value, mask], device.type)
 
     if not query.is_floating_point():
-        raise TypeError(
+        raise SdpaTypeError(
             f"query must be a floating tensor (float32, float64, bfloat16 or float16), "
             f"got {query.dtype}"
         )
     if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(
+        raise SdpaTypeError(
             f"query, key and value must have the same dtype, got query {query.dtype}, "
             f"key {key.dtype}, value {value.dtype}; cast them to one dtype"
         )
     if key.device != device or value.device != device:
-        raise ValueError(
+        raise SdpaValueError(
             f"query, key and value must be on one device, got query {device}, "
             f"key {key.device}, value {value.device}"
         )
@@ -234,17 +235,17 @@ def normalize(
     L, E = qs[-2:]
     S = vs[-2]
     if ks[-1] != E:
-        raise ValueError(
+        raise SdpaValueError(
             f"query and key must have the same feature size E, got query {qs} "
             f"(E={E}) and key {ks} (E={ks[-1]})"
         )
     if ks[-2] != S:
-        raise ValueError(
+        raise SdpaValueError(
             f"key and value must have the same length S, got key {ks} "
             f"(S={ks[-2]}) and value {vs} (S={S})"
         )
     if E == 0:
-        raise ValueError(f"query and key need at least one feature, got E=0 in {qs}")
+        raise SdpaValueError(f"query and key need at least one feature, got E=0 in {qs}")
 
     has_heads = max(len(qs), len(ks), len(vs)) >= 4
     if has_heads:  # (..., H, L, E): dim -3 is heads
@@ -257,7 +258,7 @@ def normalize(
             )
         hq, hk, hv = (s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs))
         if hk != hv and 1 not in (hk, hv):
-            raise ValueError(
+            raise SdpaValueError(
                 f"key and value must have the same number of heads (dim -3), got key "
                 f"{ks} ({hk} heads) and value {vs} ({hv} heads)"
             )
@@ -265,12 +266,12 @@ def normalize(
         if hq == 1:
             hq = hkv  # one query head broadcast over every key/value head
         if hq % hkv:
-            raise ValueError(
+            raise SdpaValueError(
                 f"key/value heads must divide query heads (grouped-query attention), got "
                 f"{hq} query heads (query {qs}) and {hkv} key/value heads (key {ks})"
             )
         if not gqa and hkv not in (1, hq):
-            raise ValueError(
+            raise SdpaValueError(
                 f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
                 f"grouped-query attention (query head h uses key/value head h // {hq // hkv})"
             )
@@ -289,7 +290,7 @@ def normalize(
     elif mask is not None:
         mask = _normalize_mask(mask, query, lead, L, S)
     if causal and not torch_semantics and L != S:
-        raise ValueError(
+        raise SdpaValueError(
             f"causal=True needs as many queries as keys, got L={L} and S={S}: for L != S "
             f"the alignment is ambiguous. Pass the mask you mean instead: "
             f"mask=sdpa.masks.causal(align='bottom-right') (KV-cache decoding, "
@@ -301,7 +302,7 @@ def normalize(
         or not isinstance(dropout_p, int | float)
         or not (0.0 <= dropout_p <= 1.0)
     ):
-        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+        raise SdpaValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
 
     q4 = _to_4d(query, batch, hq, has_heads)
     k4 = _to_4d(key, batch, hkv, has_heads)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from sdpa.errors import SdpaTypeError, SdpaValueError
+
 EMPTY, PARTIAL, FULL = 0, 1, 2  # block occupancy
 ALIGNS = ("bottom-right", "top-left")
 
@@ -59,7 +61,7 @@ class Mask:
 
 def _check_mask(other: object) -> Mask:
     if not isinstance(other, Mask):
-        raise TypeError(
+        raise SdpaTypeError(
             f"masks combine with other sdpa.masks objects, got {type(other).__name__}; for a "
             f"tensor, pass it as the mask (or materialize this one and combine tensors)"
         )
@@ -72,7 +74,7 @@ def _offset(align: str, L: int, S: int) -> int:
 
 def _check_align(align: object) -> str:
     if align not in ALIGNS:
-        raise ValueError(f"align must be 'bottom-right' or 'top-left', got {align!r}")
+        raise SdpaValueError(f"align must be 'bottom-right' or 'top-left', got {align!r}")
     return align  # type: ignore[return-value]
 
 
@@ -138,7 +140,7 @@ def sliding_window(size: int, align: str = "bottom-right") -> Mask:
         0 0 1 1
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"size must be a positive int (keys per window), got {size!r}")
+        raise SdpaValueError(f"size must be a positive int (keys per window), got {size!r}")
     return _Band(size, align, "sliding_window")
 
 
@@ -173,12 +175,12 @@ def padding(lengths: torch.Tensor | list[int]) -> Mask:
     """
     lengths = torch.as_tensor(lengths).clone()  # a mask never changes under the weights
     if lengths.ndim != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
-        raise ValueError(
+        raise SdpaValueError(
             f"lengths must be a 1-D integer tensor or list (one length per batch element), "
             f"got {lengths.dtype} of shape {tuple(lengths.shape)}"
         )
     if len(lengths) == 0 or (lengths < 0).any():
-        raise ValueError(f"lengths must be non-negative, one per batch element, got {lengths}")
+        raise SdpaValueError(f"lengths must be non-negative, one per batch element, got {lengths}")
     return _Padding(lengths.long())
 
 
@@ -189,7 +191,7 @@ class _Documents(Mask):
 
     def validate(self, L, S):
         if self.q_ids.shape[-1] != L or self.k_ids.shape[-1] != S:
-            raise ValueError(
+            raise SdpaValueError(
                 f"documents mask has ids for {self.q_ids.shape[-1]} queries and "
                 f"{self.k_ids.shape[-1]} keys, but the attention has L={L}, S={S}"
             )
@@ -234,12 +236,12 @@ def documents(q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> Mask:
     k_ids = q_ids if k_ids is None else torch.as_tensor(k_ids).clone()
     for name, ids in (("q_ids", q_ids), ("k_ids", k_ids)):
         if ids.ndim not in (1, 2) or ids.is_floating_point():
-            raise ValueError(
+            raise SdpaValueError(
                 f"{name} must be integer document ids of shape (L,) or (B, L), got "
                 f"{ids.dtype} of shape {tuple(ids.shape)}"
             )
     if q_ids.ndim != k_ids.ndim or (q_ids.ndim == 2 and q_ids.shape[0] != k_ids.shape[0]):
-        raise ValueError(
+        raise SdpaValueError(
             f"q_ids {tuple(q_ids.shape)} and k_ids {tuple(k_ids.shape)} must both be (L,) or "
             f"both (B, L) with the same B"
         )
@@ -251,7 +253,7 @@ def documents(q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> Mask:
 class _Combined(Mask):
     def __init__(self, a: Mask, b: Mask, op: str):
         if a.batch is not None and b.batch is not None and a.batch != b.batch:
-            raise ValueError(f"cannot combine masks with batch {a.batch} and {b.batch}")
+            raise SdpaValueError(f"cannot combine masks with batch {a.batch} and {b.batch}")
         self.a, self.b, self.op = a, b, op
         self.batch = a.batch if a.batch is not None else b.batch
 

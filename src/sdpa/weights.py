@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from sdpa import kernels, masks, rows
+from sdpa.errors import SdpaTypeError, SdpaValueError, StaleWeightsError, WeightsTooLargeError
 from sdpa.inputs import Inputs, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
@@ -47,14 +48,6 @@ def chunked_engine():
         yield
     finally:
         KERNEL_DEVICES = saved
-
-
-class StaleWeightsError(RuntimeError):
-    """q, k or the mask changed in place after the attention call."""
-
-
-class WeightsTooLargeError(MemoryError):
-    """The dense weights would exceed the memory budget asked for."""
 
 
 def _version(t: object) -> int | None:
@@ -228,7 +221,7 @@ class AttentionWeights:
         """The largest weight of each query row, like torch.amax(w, dim=-1): (*lead, L);
         0 for rows that see no key. Only dim=-1 (over the keys)."""
         if dim not in (-1, len(self.shape) - 1):
-            raise ValueError(
+            raise SdpaValueError(
                 f"amax works over the keys, dim=-1 (-> (..., L): each query's largest "
                 f"weight), got dim={dim}; for the queries a key attends most, use "
                 f"w[...] rows or w.sum(dim=-2)"
@@ -249,7 +242,7 @@ class AttentionWeights:
         no key give values 0."""
         S = self._inputs.key.shape[-2]
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= S:
-            raise ValueError(f"k must be an int in [1, S={S}], got {k!r}")
+            raise SdpaValueError(f"k must be an int in [1, S={S}], got {k!r}")
         self._check_fresh()
         with torch.no_grad(), no_autocast(self.device.type):
             values, indices = rows.topk(self._rows(), k)
@@ -258,7 +251,7 @@ class AttentionWeights:
 
     def _check_query_dim(self, dim: int, what: str) -> None:
         if dim not in (-2, len(self.shape) - 2):
-            raise ValueError(
+            raise SdpaValueError(
                 f"{what} works over the queries, dim=-2 (-> (..., S): attention each key "
                 f"receives), got dim={dim}; over the keys (dim=-1) every row sums to 1"
             )
@@ -366,7 +359,7 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice]:
             with contextlib.suppress(TypeError):  # numpy integers, 0-d integer tensors
                 item = operator.index(item)
         if isinstance(item, bool) or not isinstance(item, int | slice):
-            raise TypeError(
+            raise SdpaTypeError(
                 f"AttentionWeights takes ints, slices and '...' as indices (they choose which "
                 f"rows to compute), got {type(item).__name__} for dim {dim}; index the "
                 f"resulting tensor for anything else"
@@ -376,6 +369,6 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice]:
                 raise IndexError(f"index {item} is out of bounds for dim {dim} with size {size}")
             item %= size
         elif item.step is not None and item.step <= 0:
-            raise ValueError(f"slice step must be positive, got {item.step} for dim {dim}")
+            raise SdpaValueError(f"slice step must be positive, got {item.step} for dim {dim}")
         out.append(item)
     return out

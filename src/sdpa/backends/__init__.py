@@ -9,6 +9,7 @@ from __future__ import annotations
 from sdpa.backends.base import Backend, NotSupportedError
 from sdpa.backends.fused import Fused
 from sdpa.backends.reference import Reference
+from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs
 
 PRIORITY: tuple[Backend, ...] = (Fused(), Reference())
@@ -31,7 +32,7 @@ def select(inputs: Inputs, name: str = "auto", priority: tuple[Backend, ...] = P
         raise NotSupportedError(f"no backend can run these inputs. {_describe(reasons)}")
     backend = BACKENDS.get(name) if isinstance(name, str) else None
     if backend is None:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
+        raise SdpaValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
     why = backend.not_supported_reasons(inputs)
     if why:
         raise NotSupportedError(

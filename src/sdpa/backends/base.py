@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from sdpa.errors import NotSupportedError
 from sdpa.inputs import Inputs
 
-
-class NotSupportedError(ValueError):
-    """No backend (or not the one asked for) can run these inputs; the message says why."""
+__all__ = ["Backend", "NotSupportedError"]
 
 
 class Backend:

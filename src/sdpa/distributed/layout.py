@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from sdpa.errors import SdpaValueError
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -33,14 +35,14 @@ class Run(NamedTuple):
 
 def check_layout(layout: object) -> str:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+        raise SdpaValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
     return layout  # type: ignore[return-value]
 
 
 def _check_shardable(n_total: int, world: int, layout: str, what: str) -> None:
     parts = world * (2 if layout == "zigzag" else 1)
     if n_total % parts:
-        raise ValueError(
+        raise SdpaValueError(
             f"{what} of length {n_total} does not cut into {parts} equal chunks ({world} "
             f"ranks, layout={layout!r}); pad the sequence to a multiple of {parts} (and mask "
             f"the padding)"
@@ -72,7 +74,7 @@ def shard(x: torch.Tensor, rank: int, world: int, *, layout: str = "contiguous",
     n_total = x.shape[dim]
     _check_shardable(n_total, world, layout, f"x (dim {dim})")
     if not 0 <= rank < world:
-        raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+        raise SdpaValueError(f"rank must be in [0, world={world}), got {rank}")
     n = n_total // world
     pieces = [x.narrow(dim, r.start, r.length) for r in runs(n, rank, world, layout)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)

@@ -22,6 +22,7 @@ from sdpa.distributed import kernels, plan
 from sdpa.distributed.comm import Ring, RingError, mask_digest, valid_timeout
 from sdpa.distributed.layout import check_layout, runs
 from sdpa.distributed.weights import RingWeights
+from sdpa.errors import SdpaTypeError, SdpaValueError
 from sdpa.functional import AttentionResult
 from sdpa.inputs import HALF_DTYPES, _check_structured, normalize
 
@@ -181,9 +182,9 @@ def _header(query, key, value, mask, causal, scale, layout, timeout, world):
     """This rank's view of the call, validated: (what every rank must agree on, the
     normalised inputs)."""
     if not valid_timeout(timeout):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise SdpaValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if mask is not None and not isinstance(mask, masks.Mask):
-        raise TypeError(
+        raise SdpaTypeError(
             f"ring_attention takes a structured mask (sdpa.masks: padding, documents, "
             f"causal, sliding_window and their combinations), which every rank evaluates at "
             f"its own positions; got {type(mask).__name__}. For key padding use "
@@ -193,13 +194,13 @@ def _header(query, key, value, mask, causal, scale, layout, timeout, world):
     inputs = normalize(query, key, value, None, scale=scale)
     n, m = inputs.query.shape[2], inputs.key.shape[2]
     if causal and n != m:
-        raise ValueError(
+        raise SdpaValueError(
             f"causal=True needs as many queries as keys per shard, got query {n} and key {m} "
             f"positions along dim -2"
         )
     for name, length in (("query", n), ("key", m)):
         if layout == "zigzag" and length % 2:
-            raise ValueError(
+            raise SdpaValueError(
                 f"layout='zigzag' needs an even shard length (two chunks per rank), got "
                 f"{name} shards of {length}; pad the sequence to a multiple of {2 * world}"
             )

@@ -13,6 +13,7 @@ import torch
 from sdpa import masks
 from sdpa.distributed.comm import Ring, RingError
 from sdpa.distributed.layout import positions, unshard
+from sdpa.errors import SdpaValueError
 from sdpa.functional import _fused
 from sdpa.inputs import normalize
 from sdpa.weights import AttentionWeights, StaleWeightsError, _version
@@ -99,7 +100,7 @@ class RingWeights:
         def check() -> tuple[dict, None]:
             self._check_fresh()
             if dim is not None and dim not in (-2, len(self.shape) - 2):
-                raise ValueError(
+                raise SdpaValueError(
                     f"{question} works over the queries, dim=-2 (-> (..., m): attention each "
                     f"of this rank's keys receives), got dim={dim}"
                 )

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sdpa import masks
+from sdpa.errors import SdpaValueError
 from sdpa.functional import attention
 from sdpa.weights import AttentionWeights
 
@@ -64,7 +65,7 @@ def attention_forward(
     (B, H, L, S) when output_attentions=True, else None.
     """
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise ValueError(
+        raise SdpaValueError(
             f"the {NAME!r} attention has no softcap or position_bias; use 'eager' for this model"
         )
     is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
@@ -103,7 +104,7 @@ def capture(model: torch.nn.Module) -> Iterator[Capture]:
     """
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl != NAME and not _is_registered_as_ours(impl):
-        raise ValueError(
+        raise SdpaValueError(
             f"capture needs a model on sdpa's attention, got attn_implementation={impl!r}; "
             f"load it with attn_implementation=sdpa.integrations.transformers.register()"
         )

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sdpa.errors import SdpaValueError
 from sdpa.kernels.launch import (
     block,
     block_scores,
@@ -105,10 +106,10 @@ def received(
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if Hq % Hkv:
-        raise ValueError(f"key heads must divide query heads, got q {tuple(q.shape)}, k "
+        raise SdpaValueError(f"key heads must divide query heads, got q {tuple(q.shape)}, k "
                          f"{tuple(k.shape)}")  # fmt: skip
     if tuple(lse.shape) != (B, Hq, L):
-        raise ValueError(f"lse must be (B, Hq, L) = {(B, Hq, L)}, got {tuple(lse.shape)}")
+        raise SdpaValueError(f"lse must be (B, Hq, L) = {(B, Hq, L)}, got {tuple(lse.shape)}")
     if mask is not None:
         mask = mask.expand(B, Hq, L, S)  # a view: stride 0 where broadcast
     lse = lse.to(torch.float32).contiguous()

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sdpa.errors import SdpaValueError
 from sdpa.kernels.launch import (
     block,
     block_scores,
@@ -150,7 +151,7 @@ def forward_stats(
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if Hq % Hkv:
-        raise ValueError(f"key heads must divide query heads, got q {tuple(q.shape)}, k "
+        raise SdpaValueError(f"key heads must divide query heads, got q {tuple(q.shape)}, k "
                          f"{tuple(k.shape)}")  # fmt: skip
     if mask is not None:
         mask = mask.expand(B, Hq, L, S)  # a view: stride 0 where broadcast

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sdpa.errors import SdpaTypeError, SdpaValueError
 from sdpa.functional import AttentionResult, attention
 
 
@@ -35,17 +36,17 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         kv_heads = num_heads if kv_heads is None else kv_heads
         if num_heads < 1 or d_model % num_heads:
-            raise ValueError(
+            raise SdpaValueError(
                 f"d_model must split into num_heads equal heads, got d_model={d_model} and "
                 f"num_heads={num_heads}; pick num_heads dividing d_model"
             )
         if kv_heads < 1 or num_heads % kv_heads:
-            raise ValueError(
+            raise SdpaValueError(
                 f"kv_heads must divide num_heads (grouped-query attention), got "
                 f"kv_heads={kv_heads} and num_heads={num_heads}"
             )
         if not 0.0 <= dropout <= 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout}")
+            raise SdpaValueError(f"dropout must be a probability in [0, 1], got {dropout}")
         self.d_model, self.num_heads, self.kv_heads = d_model, num_heads, kv_heads
         self.head_dim = d_model // num_heads
         self.dropout = dropout
@@ -68,19 +69,19 @@ class MultiHeadAttention(nn.Module):
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor) or t.ndim != 3 or t.shape[-1] != self.d_model:
                 seen = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
+                raise SdpaValueError(
                     f"{name} must be (B, length, d_model={self.d_model}), got {seen}; add a "
                     f"batch dim to a single sequence with x[None]"
                 )
         B, L, _ = query.shape
         S = key.shape[1]
         if value.shape[1] != S:
-            raise ValueError(
+            raise SdpaValueError(
                 f"key and value must have the same length, got key {tuple(key.shape)} and "
                 f"value {tuple(value.shape)}"
             )
         if key.shape[0] not in (1, B) or value.shape[0] not in (1, B):
-            raise ValueError(
+            raise SdpaValueError(
                 f"key and value batch must be the query's ({B}) or 1, got key "
                 f"{tuple(key.shape)} and value {tuple(value.shape)}"
             )
@@ -114,14 +115,14 @@ class MultiHeadAttention(nn.Module):
         convert them once, at this edge, with `mask_from_torch`.
         """
         if not isinstance(module, nn.MultiheadAttention):
-            raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module)}")
+            raise SdpaTypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module)}")
         if not module._qkv_same_embed_dim:
-            raise ValueError(
+            raise SdpaValueError(
                 f"kdim/vdim different from embed_dim ({module.kdim}, {module.vdim} vs "
                 f"{module.embed_dim}) are not supported: key and value must be d_model wide"
             )
         if module.bias_k is not None or module.add_zero_attn:
-            raise ValueError("add_bias_kv and add_zero_attn are not supported")
+            raise SdpaValueError("add_bias_kv and add_zero_attn are not supported")
         ours = cls(
             module.embed_dim,
             module.num_heads,
@@ -163,7 +164,7 @@ class MultiHeadAttention(nn.Module):
         """
         for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
             if m is not None and m.dtype != torch.bool and not m.is_floating_point():
-                raise TypeError(
+                raise SdpaTypeError(
                     f"{name} must be bool (True = ignore, torch's convention) or float "
                     f"(added), got {m.dtype}, as torch.nn.MultiheadAttention requires"
                 )
@@ -171,20 +172,20 @@ class MultiHeadAttention(nn.Module):
         if attn_mask is not None:
             if attn_mask.ndim == 3:
                 if num_heads is None or attn_mask.shape[0] % num_heads:
-                    raise ValueError(
+                    raise SdpaValueError(
                         f"a 3-D attn_mask {tuple(attn_mask.shape)} is (B * num_heads, L, S): "
                         f"pass the num_heads that divides its first dim, got {num_heads}"
                     )
                 attn_mask = attn_mask.view(-1, num_heads, *attn_mask.shape[-2:])  # (B,H,L,S)
             elif attn_mask.ndim != 2:
-                raise ValueError(
+                raise SdpaValueError(
                     f"attn_mask must be (L, S) or (B * num_heads, L, S), got "
                     f"{tuple(attn_mask.shape)}"
                 )
             parts.append(attn_mask)
         if key_padding_mask is not None:
             if key_padding_mask.ndim != 2:
-                raise ValueError(
+                raise SdpaValueError(
                     f"key_padding_mask must be (B, S), got {tuple(key_padding_mask.shape)}"
                 )
             parts.append(key_padding_mask[:, None, None, :])  # (B, 1, 1, S)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sdpa.errors import SdpaValueError
 from sdpa.functional import AttentionResult, attention
 from sdpa.weights import AttentionWeights
 
@@ -25,17 +26,17 @@ class SpatialSelfAttention(nn.Module):
     ):
         super().__init__()
         if groups < 1 or channels % groups:
-            raise ValueError(
+            raise SdpaValueError(
                 f"channels must split into GroupNorm groups, got channels={channels} and "
                 f"groups={groups}; pick groups dividing channels"
             )
         if num_heads < 1 or channels % num_heads:
-            raise ValueError(
+            raise SdpaValueError(
                 f"channels must split into num_heads equal heads, got channels={channels} and "
                 f"num_heads={num_heads}"
             )
         if not 0.0 <= dropout <= 1.0:
-            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout}")
+            raise SdpaValueError(f"dropout must be a probability in [0, 1], got {dropout}")
         self.channels, self.num_heads, self.dropout = channels, num_heads, dropout
         self.norm = nn.GroupNorm(groups, channels)
         self.qkv = nn.Linear(channels, 3 * channels)  # a 1x1 convolution over pixels
@@ -44,7 +45,9 @@ class SpatialSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> AttentionResult:
         if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[1] != self.channels:
             seen = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be a feature map (B, C={self.channels}, H, W), got {seen}")
+            raise SdpaValueError(
+                f"x must be a feature map (B, C={self.channels}, H, W), got {seen}"
+            )
         B, C, H, W = x.shape
         heads, D = self.num_heads, C // self.num_heads
         h = self.norm(x).flatten(2).transpose(1, 2)  # (B, H*W, C)
@@ -69,7 +72,7 @@ def pixel_attention(
     """
     H, W = size
     if tuple(weights.shape[-2:]) != (H * W, H * W):
-        raise ValueError(
+        raise SdpaValueError(
             f"weights {tuple(weights.shape)} are not over a {H}x{W} image: expected "
             f"(..., {H * W}, {H * W})"
         )
