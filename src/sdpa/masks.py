@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
 from sdpa.errors import SdpaTypeError, SdpaValueError
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # block occupancy
@@ -34,7 +35,7 @@ class Mask:
     def blocks(self, L: int, S: int, bq: int, bk: int) -> torch.Tensor:
         """(Bm, ceil(L/bq), ceil(S/bk)) occupancy of each block: EMPTY, PARTIAL or FULL.
         Exact here (from keep); subclasses answer analytically, conservatively."""
-        keep = self.materialize(L, S).reshape(-1, L, S)  # (Bm, L, S)
+        keep = self.materialize(L, S, max_bytes=None).reshape(-1, L, S)  # (Bm, L, S)
         return occupancy(keep, bq, bk)
 
     def is_top_left_causal(self, L: int, S: int) -> bool:
@@ -45,8 +46,22 @@ class Mask:
     def validate(self, L: int, S: int) -> None:
         """Raise ValueError if this mask cannot describe an L x S attention."""
 
-    def materialize(self, L: int, S: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The whole mask: (L, S) bool, or (B, 1, L, S) for a mask with a batch dim."""
+    def materialize(
+        self,
+        L: int,
+        S: int,
+        device: torch.device | str = "cpu",
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+    ) -> torch.Tensor:
+        """The whole mask: (L, S) bool, or (B, 1, L, S) for a mask with a batch dim.
+        Refuses, before allocating, a view over max_bytes (None: no limit)."""
+        check_fits(
+            f"{self!r}.materialize: the bool mask",
+            ((self.batch or 1), L, S),
+            1,
+            max_bytes,
+            "Ask for rows with mask.keep(q_pos, k_pos, L, S), or pass max_bytes=None",
+        )
         keep = self.keep(
             torch.arange(L, device=device), torch.arange(S, device=device), L, S
         )  # (Bm, L, S)

@@ -22,12 +22,12 @@ from collections.abc import Callable
 import torch
 
 from sdpa import kernels, masks, rows
-from sdpa.errors import SdpaTypeError, SdpaValueError, StaleWeightsError, WeightsTooLargeError
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
+from sdpa.errors import SdpaTypeError, SdpaValueError, StaleWeightsError
 from sdpa.inputs import Inputs, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
 FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
-DEFAULT_MAX_BYTES = 2**30
 KERNEL_DEVICES = {"cuda"}  # where the Triton kernels serve the statistics
 # A structured mask is materialised for the kernels up to this many bytes (bool);
 # past it the chunked engine, which materialises one tile at a time, serves.
@@ -124,14 +124,14 @@ class AttentionWeights:
         """The dense weights, (*lead, L, S). Refuses, before allocating anything, when
         they need more than max_bytes (None: no limit)."""
         self._check_fresh()
-        need = math.prod(self.shape) * (torch.finfo(self.dtype).bits // 8)
-        if max_bytes is not None and need > max_bytes:
-            raise WeightsTooLargeError(
-                f"the dense weights {tuple(self.shape)} in {self.dtype} need {need:,} bytes "
-                f"({need / 2**30:.2f} GiB), over max_bytes={max_bytes:,}. Ask for less: rows "
-                f"(w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), w.mean(dim=-2), w.entropy() and "
-                f"w.topk(k) work in O(chunk x S) memory; or pass max_bytes=None"
-            )
+        check_fits(
+            f"the dense weights in {self.dtype}",
+            tuple(self.shape),
+            torch.finfo(self.dtype).bits // 8,
+            max_bytes,
+            "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), w.mean(dim=-2), "
+            "w.entropy() and w.topk(k) work in O(chunk x S) memory; or pass max_bytes=None",
+        )
         return self[...]
 
     def __getitem__(self, index: object) -> torch.Tensor:
@@ -279,7 +279,7 @@ class AttentionWeights:
             elif (mask.batch or 1) * L * S > KERNEL_MASK_BYTES:
                 return None
             else:
-                mask = mask.materialize(L, S, self.device)  # (L, S) or (B, 1, L, S)
+                mask = mask.materialize(L, S, self.device, max_bytes=None)  # (L, S) or (B, 1, L, S)
                 mask = mask if mask.ndim == 4 else mask[None, None]  # (B|1, 1, L, S)
         return i.query, i.key, mask, causal
 

@@ -142,7 +142,7 @@ class Fused(Backend):
         if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
             # (a plan with no kernel call at all would cut the output from autograd)
             if isinstance(mask, masks.Mask):
-                mask = _as_4d(mask.materialize(L, S, q.device))
+                mask = _as_4d(mask.materialize(L, S, q.device, max_bytes=None))
             mask = blocks.additive(mask, q.dtype)
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale)
         else:

@@ -30,7 +30,7 @@ class Reference(Backend):
         q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
         cd = inputs.compute_dtype
         if isinstance(mask, masks.Mask):
-            mask = mask.materialize(q.shape[2], k.shape[2], q.device)
+            mask = mask.materialize(q.shape[2], k.shape[2], q.device, max_bytes=None)
             mask = mask if mask.ndim == 4 else mask[None, None]  # (B|1, 1, L, S)
         group = q.shape[1] // k.shape[1]
         if group > 1:  # grouped-query attention: query head h uses key/value head h // group

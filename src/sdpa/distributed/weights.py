@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from sdpa import masks
+from sdpa.budget import DEFAULT_MAX_BYTES
 from sdpa.distributed.comm import Ring, RingError
 from sdpa.distributed.layout import positions, unshard
 from sdpa.errors import SdpaValueError
@@ -132,7 +133,7 @@ class RingWeights:
     def __getitem__(self, index: object) -> torch.Tensor:
         return self._local("rows")[index]
 
-    def full(self, max_bytes: int | None = 2**30) -> torch.Tensor:
+    def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
         return self._local("rows").full(max_bytes)
 
     def entropy(self) -> torch.Tensor:

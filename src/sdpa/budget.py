@@ -1,0 +1,38 @@
+"""Memory budgets for the calls that would allocate a whole L x S view.
+
+`AttentionWeights.full()` and `Mask.materialize()` refuse, before allocating, a result
+over `max_bytes` (default DEFAULT_MAX_BYTES, 1 GiB); None lifts the limit. Lowest
+layer: imports only sdpa.errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sdpa.errors import SdpaTypeError, WeightsTooLargeError
+
+DEFAULT_MAX_BYTES = 2**30
+
+
+def check_max_bytes(max_bytes: object) -> int | None:
+    """max_bytes as given, if it is a non-negative int or None; else a clear error."""
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise SdpaTypeError(
+            f"max_bytes must be a non-negative int (bytes) or None (no limit), got "
+            f"{max_bytes!r} ({type(max_bytes).__name__}); e.g. max_bytes=2**30 for 1 GiB"
+        )
+    return max_bytes
+
+
+def check_fits(what: str, shape: tuple[int, ...], itemsize: int, max_bytes: object, hint: str):
+    """Raise WeightsTooLargeError, before anything is allocated, when a tensor of `shape`
+    and `itemsize` would need more than max_bytes."""
+    limit = check_max_bytes(max_bytes)
+    need = math.prod(shape) * itemsize
+    if limit is not None and need > limit:
+        raise WeightsTooLargeError(
+            f"{what} {tuple(shape)} need {need:,} bytes ({need / 2**30:.2f} GiB), over "
+            f"max_bytes={limit:,}. {hint}"
+        )
