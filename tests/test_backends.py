@@ -42,17 +42,18 @@ def test_none_fits_lists_every_backend_with_reasons(gen):
 
 
 def test_explicit_backend_raises_with_its_reasons(gen):
-    q, k, v, _ = make_inputs(gen, L=0)
+    q, k, v, _ = make_inputs(gen)
     with pytest.raises(
         NotSupportedError,
         match=r"backend 'fused' cannot run these inputs "
-        r"\(fused: an empty dimension .*\); backend='auto' picks one that can",
+        r"\(fused: dropout_p=0.5 > 0 on CPU .*\); backend='auto' picks one that can",
     ):
-        sdpa.attention(q, k, v, backend="fused")
+        sdpa.attention(q, k, v, dropout_p=0.5, backend="fused")
 
 
-def test_not_supported_is_a_value_error():
+def test_not_supported_is_a_value_error_and_a_runtime_error():
     assert issubclass(NotSupportedError, ValueError)
+    assert issubclass(NotSupportedError, RuntimeError)
 
 
 def test_fused_names_the_devices_it_runs_on(gen):

@@ -219,8 +219,3 @@ def test_unknown_backend(qkv):
         *qkv,
         backend="flash",
     )
-
-
-def test_zero_features(gen):
-    q = randn(gen, 2, 3, 0)
-    refuses(ValueError, r"at least one feature, got E=0", q, q, q)

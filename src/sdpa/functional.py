@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from sdpa.backends import BACKENDS, select
 from sdpa.errors import SdpaValueError
-from sdpa.inputs import Inputs, no_autocast, normalize
+from sdpa.inputs import Inputs, check_flag, no_autocast, normalize
 from sdpa.weights import AttentionWeights
 
 
@@ -94,12 +95,16 @@ def scaled_dot_product_attention(
     is_causal raises, as torch documents. Beyond torch it also takes integer keep-masks
     and float masks of any float dtype.
     """
+    if isinstance(attn_mask, CausalBias) and is_causal:
+        raise SdpaValueError("CausalBias should not be used with causal=True")  # torch's text
     if attn_mask is not None and is_causal:
         raise SdpaValueError(
             "attn_mask and is_causal=True were both given; torch's documentation makes this "
             "an error. AND the causal mask into attn_mask yourself, or use "
             "sdpa.attention(q, k, v, mask, causal=True)"
         )
+    check_flag("is_causal", is_causal)
+    check_flag("enable_gqa", enable_gqa)
     # torch reads dim -3 of 3-D inputs as heads when enable_gqa=True
     heads_3d = enable_gqa and all(
         isinstance(t, torch.Tensor) and t.ndim == 3 for t in (query, key, value)

@@ -22,11 +22,31 @@ import numbers
 from typing import NamedTuple
 
 import torch
+from torch.fx.experimental import symbolic_shapes
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from sdpa import masks
 from sdpa.errors import SdpaTypeError, SdpaValueError
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+# Sizes may be symbolic under torch.export / torch.compile, and data dependent (an
+# unbacked batch size after boolean indexing): a Python `if` on such a size cannot be
+# decided. `known(cond)` is the condition where it can be decided and False where it
+# cannot (torch's size-oblivious rule: an unknown size is neither 0 nor 1).
+_guard_or_false = getattr(symbolic_shapes, "guard_or_false", None) or (
+    symbolic_shapes.guard_size_oblivious  # torch < 2.7
+)
+
+
+def known(cond: bool | torch.SymBool) -> bool:
+    """True where `cond` holds and can be decided without guarding on data."""
+    return cond if isinstance(cond, bool) else _guard_or_false(cond)
+
+
+def empty(*sizes: int | torch.SymInt) -> bool:
+    """Whether any of the sizes is known to be 0 (never guards on an unbacked size)."""
+    return any(known(n == 0) for n in sizes)
 
 
 class Inputs(NamedTuple):
@@ -52,14 +72,53 @@ class Inputs(NamedTuple):
         """Shape of the full attention weights, (*lead, L, S)."""
         return (*self.lead, self.query.shape[-2], self.key.shape[-2])
 
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head: query head h uses key/value head h // group."""
+        hkv = self.key.shape[1]
+        return 1 if empty(hkv) else self.query.shape[1] // hkv
+
+    @property
+    def no_work(self) -> bool:
+        """Whether there is no score to compute (0 heads, queries or keys): the output
+        is all 0 (empty, or rows that see no key), decided from shapes alone."""
+        return empty(self.query.shape[1], self.query.shape[2], self.key.shape[2])
+
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
+_PLAIN_TORCH_FUNCTIONS = (
+    torch.Tensor.__torch_function__.__func__,  # type: ignore[attr-defined]
+    torch._C._disabled_torch_function_impl,  # Parameter, FakeTensor, DTensor...
+)
+
+
+def _own_torch_function(t: torch.Tensor) -> bool:
+    """Whether t is a tensor subclass that redefines torch functions (its storage may not
+    be its meaning, as for torch.nn.attention.bias.CausalBias)."""
+    if type(t) is torch.Tensor:
+        return False
+    impl = type(t).__torch_function__
+    return getattr(impl, "__func__", impl) not in _PLAIN_TORCH_FUNCTIONS
+
+
 def _check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise SdpaTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise SdpaTypeError(
+            f"{name} is a nested tensor; sdpa.attention takes dense tensors (pad them and "
+            f"pass a key-padding mask, sdpa.masks.padding(lengths)); the drop-in "
+            f"sdpa.scaled_dot_product_attention takes nested tensors where torch does"
+        )
+    if _own_torch_function(t):
+        raise SdpaTypeError(
+            f"{name} is a {type(t).__name__}, a tensor subclass with its own "
+            f"__torch_function__: sdpa would read its storage, not its meaning. Pass a "
+            f"plain tensor (t.as_subclass(torch.Tensor) if its storage is what you mean)"
+        )
     if t.ndim < 2:
         raise SdpaValueError(
             f"{name} must have at least 2 dims (..., length, features), got shape {_shape(t)}"
@@ -88,7 +147,9 @@ def _autocast(tensors: list[torch.Tensor | None], device_type: str) -> list[torc
     target = torch.get_autocast_dtype(device_type)
     return [
         t.to(target)
-        if t is not None and t.is_floating_point() and t.dtype not in (torch.float64, target)
+        if isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dtype not in (torch.float64, target)
         else t
         for t in tensors
     ]
@@ -103,8 +164,8 @@ def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
         size = 1
         for s in shapes:
             d = s[i] if -i <= len(s) else 1
-            if d != 1:
-                if size not in (1, d):
+            if not known(d == 1):
+                if not (known(size == 1) or known(size == d)):
                     return None
                 size = d
         out.append(size)
@@ -135,12 +196,31 @@ def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool)
     return t
 
 
-def _check_mask_type(mask: object) -> None:
-    if mask is not None and not isinstance(mask, torch.Tensor | masks.Mask):
+def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
+    """The mask as sdpa reads it: torch's causal bias objects become the causal mask of
+    the same alignment; other tensor subclasses with their own meaning are refused."""
+    if mask is None or isinstance(mask, masks.Mask):
+        return mask
+    if not isinstance(mask, torch.Tensor):
         raise SdpaTypeError(
             f"mask must be None, a torch.Tensor (bool/int: nonzero takes part; float: added "
             f"to the scores) or an sdpa.masks object, got {type(mask).__name__}"
         )
+    if isinstance(mask, CausalBias):
+        top_left = mask.variant == CausalVariant.UPPER_LEFT
+        return masks.causal("top-left" if top_left else "bottom-right")
+    if mask.is_nested or _own_torch_function(mask):
+        kind = (
+            "a nested tensor"
+            if mask.is_nested
+            else (f"a {type(mask).__name__}, a tensor subclass with its own __torch_function__")
+        )
+        raise SdpaTypeError(
+            f"mask is {kind}: sdpa would read its storage, not its meaning. Pass a plain "
+            f"bool or float tensor, an sdpa.masks object, or torch's "
+            f"causal_upper_left / causal_lower_right (mapped to sdpa.masks.causal)"
+        )
+    return mask
 
 
 def _check_structured(mask: masks.Mask, batch: tuple[int, ...], L: int, S: int) -> None:
@@ -180,8 +260,8 @@ def _normalize_mask(
 
 def _check_scale(scale: object, E: int, torch_semantics: bool) -> float:
     """1/sqrt(E) for None; else a real number (a 0-d tensor or numpy scalar will do)."""
-    if scale is None:
-        return 1.0 / math.sqrt(E)
+    if scale is None:  # E = 0: every score is an empty dot product (0), any scale will do
+        return 1.0 if empty(E) else 1.0 / math.sqrt(E)
     if isinstance(scale, numbers.Real) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
         value = float(scale)
         if torch_semantics or (not isinstance(scale, bool) and math.isfinite(value)):
@@ -193,7 +273,7 @@ def normalize(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | masks.Mask | None = None,
     *,
     causal: bool = False,
     scale: float | None = None,
@@ -204,86 +284,26 @@ def normalize(
     """Validate the arguments of an attention call and lay them out as `Inputs`.
 
     torch_semantics: the drop-in's rules where torch is laxer than `attention`: causal
-    with L != S is top-left instead of refused, and `scale` may be any real number
-    (bool, inf and nan included). gqa: allow Hkv < Hq (the drop-in's enable_gqa);
-    Hkv == 1 always broadcasts.
+    with L != S is top-left instead of refused, and `scale` and `dropout_p` may be any
+    real number torch takes (bool, inf and nan included). gqa: allow Hkv < Hq (the
+    drop-in's enable_gqa); Hkv == 1 always broadcasts.
     """
     query = _check_tensor("query", query)
     key = _check_tensor("key", key)
     value = _check_tensor("value", value)
-    _check_mask_type(mask)
+    mask = _check_mask_type(mask)
+    check_flag("causal", causal)
     device = query.device
     if autocast_enabled(device.type):
         query, key, value, mask = _autocast([query, key, value, mask], device.type)
+    _check_dtypes_devices(query, key, value)
 
-    if not query.is_floating_point():
-        raise SdpaTypeError(
-            f"query must be a floating tensor (float32, float64, bfloat16 or float16), "
-            f"got {query.dtype}"
-        )
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise SdpaTypeError(
-            f"query, key and value must have the same dtype, got query {query.dtype}, "
-            f"key {key.dtype}, value {value.dtype}; cast them to one dtype"
-        )
-    if key.device != device or value.device != device:
-        raise SdpaValueError(
-            f"query, key and value must be on one device, got query {device}, "
-            f"key {key.device}, value {value.device}"
-        )
     qs, ks, vs = _shape(query), _shape(key), _shape(value)
     L, E = qs[-2:]
     S = vs[-2]
-    if ks[-1] != E:
-        raise SdpaValueError(
-            f"query and key must have the same feature size E, got query {qs} "
-            f"(E={E}) and key {ks} (E={ks[-1]})"
-        )
-    if ks[-2] != S:
-        raise SdpaValueError(
-            f"key and value must have the same length S, got key {ks} "
-            f"(S={ks[-2]}) and value {vs} (S={S})"
-        )
-    if E == 0:
-        raise SdpaValueError(f"query and key need at least one feature, got E=0 in {qs}")
-
-    has_heads = max(len(qs), len(ks), len(vs)) >= 4
-    if has_heads:  # (..., H, L, E): dim -3 is heads
-        batch = qs[:-3]
-        if ks[:-3] != batch or vs[:-3] != batch:
-            batch = _broadcast(
-                "batch dims (all but the last 3)",
-                [qs[:-3], ks[:-3], vs[:-3]],
-                ["query", "key", "value"],
-            )
-        hq, hk, hv = (s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs))
-        if hk != hv and 1 not in (hk, hv):
-            raise SdpaValueError(
-                f"key and value must have the same number of heads (dim -3), got key "
-                f"{ks} ({hk} heads) and value {vs} ({hv} heads)"
-            )
-        hkv = max(hk, hv)
-        if hq == 1:
-            hq = hkv  # one query head broadcast over every key/value head
-        if hq % hkv:
-            raise SdpaValueError(
-                f"key/value heads must divide query heads (grouped-query attention), got "
-                f"{hq} query heads (query {qs}) and {hkv} key/value heads (key {ks})"
-            )
-        if not gqa and hkv not in (1, hq):
-            raise SdpaValueError(
-                f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
-                f"grouped-query attention (query head h uses key/value head h // {hq // hkv})"
-            )
-        lead = (*batch, hq)
-    else:  # (L, E) or (N, L, E): dim -3 is batch, never heads
-        batch = _broadcast(
-            "batch dim (dim -3 of 3-D inputs)",
-            [qs[:-2], ks[:-2], vs[:-2]],
-            ["query", "key", "value"],
-        )
-        hq = hkv = 1
-        lead = batch
+    _check_sizes(qs, ks, vs)
+    batch, hq, hkv, has_heads = _layout(qs, ks, vs, gqa)
+    lead = (*batch, hq) if has_heads else batch
 
     if isinstance(mask, masks.Mask):
         _check_structured(mask, batch, L, S)
@@ -297,19 +317,108 @@ def normalize(
             f"FlashAttention) or align='top-left' (torch's is_causal)"
         )
     scale = _check_scale(scale, E, torch_semantics)
-    if (
-        isinstance(dropout_p, bool)
-        or not isinstance(dropout_p, int | float)
-        or not (0.0 <= dropout_p <= 1.0)
-    ):
-        raise SdpaValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+    dropout_p = _check_dropout(dropout_p, torch_semantics)
 
     q4 = _to_4d(query, batch, hq, has_heads)
     k4 = _to_4d(key, batch, hkv, has_heads)
     v4 = _to_4d(value, batch, hkv, has_heads)
     if isinstance(mask, torch.Tensor):
         mask = _mask_to_4d(mask, batch, hq, has_heads, L, S)
-    return Inputs(q4, k4, v4, mask, bool(causal), float(scale), float(dropout_p), lead)
+    return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead)
+
+
+def check_flag(name: str, flag: object) -> None:
+    """A Python bool, as torch's SDPA wants its flags (a string or tensor is refused)."""
+    if not isinstance(flag, bool):
+        raise SdpaTypeError(f"{name} must be True or False, got {flag!r} ({type(flag).__name__})")
+
+
+def _check_dtypes_devices(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    if not query.is_floating_point():
+        raise SdpaTypeError(
+            f"query must be a floating tensor (float32, float64, bfloat16 or float16), "
+            f"got {query.dtype}"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise SdpaTypeError(
+            f"query, key and value must have the same dtype, got query {query.dtype}, "
+            f"key {key.dtype}, value {value.dtype}; cast them to one dtype"
+        )
+    device = query.device
+    if key.device != device or value.device != device:
+        raise SdpaValueError(
+            f"query, key and value must be on one device, got query {device}, "
+            f"key {key.device}, value {value.device}"
+        )
+
+
+def _check_sizes(qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...]) -> None:
+    """E shared by query and key, S shared by key and value."""
+    E, S = qs[-1], vs[-2]
+    if ks[-1] != E:
+        raise SdpaValueError(
+            f"query and key must have the same feature size E, got query {qs} "
+            f"(E={E}) and key {ks} (E={ks[-1]})"
+        )
+    if ks[-2] != S:
+        raise SdpaValueError(
+            f"key and value must have the same length S, got key {ks} "
+            f"(S={ks[-2]}) and value {vs} (S={S})"
+        )
+
+
+def _layout(
+    qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...], gqa: bool
+) -> tuple[tuple[int, ...], int, int, bool]:
+    """(batch dims, Hq, Hkv, has_heads) of the inputs' shapes (see the module docstring)."""
+    if max(len(qs), len(ks), len(vs)) < 4:  # (L, E) or (N, L, E): dim -3 is batch
+        batch = _broadcast(
+            "batch dim (dim -3 of 3-D inputs)",
+            [qs[:-2], ks[:-2], vs[:-2]],
+            ["query", "key", "value"],
+        )
+        return batch, 1, 1, False
+    batch = qs[:-3]  # (..., H, L, E): dim -3 is heads
+    if ks[:-3] != batch or vs[:-3] != batch:
+        batch = _broadcast(
+            "batch dims (all but the last 3)",
+            [qs[:-3], ks[:-3], vs[:-3]],
+            ["query", "key", "value"],
+        )
+    hq, hk, hv = (s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs))
+    if known(hk != hv) and not (known(hk == 1) or known(hv == 1)):
+        raise SdpaValueError(
+            f"key and value must have the same number of heads (dim -3), got key "
+            f"{ks} ({hk} heads) and value {vs} ({hv} heads)"
+        )
+    hkv = hv if known(hk == 1) else hk
+    if known(hq == 1):
+        hq = hkv  # one query head broadcast over every key/value head
+    if (empty(hkv) and not empty(hq)) or (not empty(hkv) and known(hq % hkv != 0)):
+        raise SdpaValueError(
+            f"key/value heads must divide query heads (grouped-query attention), got "
+            f"{hq} query heads (query {qs}) and {hkv} key/value heads (key {ks})"
+        )
+    if not gqa and known(hkv != hq) and not known(hkv == 1):
+        raise SdpaValueError(
+            f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
+            f"grouped-query attention (query head h uses key/value head h // {hq // hkv})"
+        )
+    return batch, hq, hkv, True
+
+
+def _check_dropout(dropout_p: object, torch_semantics: bool) -> float:
+    """A probability in [0, 1]: a number (a 0-d tensor or a bool too, as torch takes
+    them, in the drop-in)."""
+    ok_types = (numbers.Real, torch.Tensor) if torch_semantics else (int, float)
+    number = isinstance(dropout_p, ok_types) and (
+        torch_semantics or not isinstance(dropout_p, bool)
+    )
+    if number and (not isinstance(dropout_p, torch.Tensor) or dropout_p.numel() == 1):
+        value = float(dropout_p)
+        if 0.0 <= value <= 1.0:
+            return value
+    raise SdpaValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
 
 
 def _mask_to_4d(

@@ -24,7 +24,7 @@ import torch
 from sdpa import kernels, masks, rows
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
 from sdpa.errors import SdpaTypeError, SdpaValueError, StaleWeightsError
-from sdpa.inputs import Inputs, no_autocast
+from sdpa.inputs import Inputs, empty, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
 FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
@@ -53,7 +53,9 @@ def chunked_engine():
 def _version(t: object) -> int | None:
     # inference tensors carry no version counter: they cannot be checked; structured
     # masks are immutable
-    if not isinstance(t, torch.Tensor) or t.is_inference():
+    # (nor can a tensor being traced by torch.compile / torch.export: a handle made there
+    # never leaves the graph)
+    if not isinstance(t, torch.Tensor) or torch.compiler.is_compiling() or t.is_inference():
         return None
     return t._version
 
@@ -142,6 +144,8 @@ class AttentionWeights:
         i = self._inputs
         lead, L = i.lead, i.query.shape[-2]
         *lead_idx, q_idx, k_idx = _normalize_index(index, self.shape)
+        if self._shape_only:
+            return self._zeros(*self.shape[len(lead) :])[(*lead_idx, q_idx, k_idx)]
         has_heads = len(lead) >= 2  # 4-D+ inputs: lead is (*batch, Hq)
         batch, batch_idx = (lead[:-1], lead_idx[:-1]) if has_heads else (lead, lead_idx)
         head_idx = lead_idx[-1] if has_heads else slice(None)
@@ -194,11 +198,14 @@ class AttentionWeights:
         that sees no key)."""
         self._check_query_dim(dim, "sum")
         self._check_fresh()
+        i = self._inputs
+        if self._shape_only:
+            return self._zeros(i.key.shape[2])
         with torch.no_grad(), no_autocast(self.device.type):
             sums = self._received_kernel()
             if sums is None:
                 sums = rows.key_sums(self._rows())
-        return sums.reshape(*self._inputs.lead, -1)
+        return sums.reshape(*i.lead, i.key.shape[2])
 
     def mean(self, dim: int = -2) -> torch.Tensor:
         """sum(dim=-2) divided by the number of queries L: (*lead, S)."""
@@ -209,13 +216,16 @@ class AttentionWeights:
         """-sum_j p_ij ln p_ij for each query, in nats: (*lead, L); 0 for rows that see
         no key."""
         self._check_fresh()
+        i = self._inputs
+        if self._shape_only:
+            return self._zeros(i.query.shape[2])
         with torch.no_grad(), no_autocast(self.device.type):
             h = self._stats_kernel("entropy")
             if h is None:
                 h = self._entropy_fused()
             if h is None:
                 h = rows.entropy(self._rows())
-        return h.reshape(*self._inputs.lead, -1)
+        return h.reshape(*i.lead, i.query.shape[2])
 
     def amax(self, dim: int = -1) -> torch.Tensor:
         """The largest weight of each query row, like torch.amax(w, dim=-1): (*lead, L);
@@ -228,26 +238,43 @@ class AttentionWeights:
             )
         self._check_fresh()
         i = self._inputs
+        if self._shape_only:
+            return self._zeros(i.query.shape[2])
         with torch.no_grad(), no_autocast(self.device.type):
             top = self._stats_kernel("amax")
-            if top is None and i.key.shape[2] == 0:
-                top = torch.zeros(i.query.shape[:3], dtype=self.dtype, device=self.device)
             if top is None:
                 top = rows.topk(self._rows(), 1)[0][..., 0]  # (B, Hq, L)
-        return top.reshape(*i.lead, -1)
+        return top.reshape(*i.lead, i.query.shape[2])
 
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest weights of each query row and their key indices, like
         torch.topk(w, k, dim=-1): (values, indices), each (*lead, L, k). Rows that see
         no key give values 0."""
-        S = self._inputs.key.shape[-2]
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= S:
-            raise SdpaValueError(f"k must be an int in [1, S={S}], got {k!r}")
+        i = self._inputs
+        S = i.key.shape[-2]
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= S:
+            raise SdpaValueError(f"k must be an int in [0, S={S}], got {k!r}")
         self._check_fresh()
+        L = i.query.shape[2]
+        if self._shape_only or k == 0:
+            return self._zeros(L, k), torch.zeros(
+                (*i.lead, L, k), dtype=torch.long, device=self.device
+            )
         with torch.no_grad(), no_autocast(self.device.type):
             values, indices = rows.topk(self._rows(), k)
-        lead = self._inputs.lead
-        return values.reshape(*lead, -1, k), indices.reshape(*lead, -1, k)
+        return values.reshape(*i.lead, L, k), indices.reshape(*i.lead, L, k)
+
+    @property
+    def _shape_only(self) -> bool:
+        """Only the shape of an answer can be given: an empty batch, 0 heads, queries or
+        keys (every value is 0), or meta tensors (shapes without data)."""
+        i = self._inputs
+        return i.no_work or empty(i.query.shape[0]) or self.device.type == "meta"
+
+    def _zeros(self, *tail: int) -> torch.Tensor:
+        """Zeros (*lead, *tail) in the weights' dtype: the answer where nothing is seen
+        (on the meta device, a tensor of that shape)."""
+        return torch.zeros((*self._inputs.lead, *tail), dtype=self.dtype, device=self.device)
 
     def _check_query_dim(self, dim: int, what: str) -> None:
         if dim not in (-2, len(self.shape) - 2):
@@ -324,7 +351,7 @@ def _key_heads(k: torch.Tensor, Hq: int, heads: slice) -> torch.Tensor:
     """The key heads that query heads `heads` use (query head h uses key head
     h // (Hq // Hkv)): a view when the slice covers whole groups, else one key head per
     selected query head."""
-    group = Hq // k.shape[1]
+    group = Hq // k.shape[1] if k.shape[1] else 1
     start, stop, step = heads.indices(Hq)
     if group == 1:
         return k[:, heads]

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from sdpa import masks
-from sdpa.inputs import Inputs
+from sdpa.inputs import Inputs, known
 
 BLOCK_Q, BLOCK_K = 256, 64
 
@@ -36,6 +36,8 @@ def structure(inputs: Inputs) -> torch.Tensor | None:
     """(Bm, nQ, nK) block occupancy of everything that masks these inputs (mask and
     causal flag), or None where there is no structure to use (no mask, or a float mask)."""
     mask, L, S = inputs.mask, inputs.query.shape[2], inputs.key.shape[2]
+    if torch.compiler.is_compiling():  # a plan read from data cannot live in a graph
+        return None
     parts = []
     if isinstance(mask, masks.Mask):
         parts.append(mask.blocks(L, S, BLOCK_Q, BLOCK_K))
@@ -114,7 +116,7 @@ def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
 
 def distinct(t: torch.Tensor) -> torch.Tensor:
     """The entries a broadcast view repeats: each stride-0 dim cut to size 1 (a view)."""
-    sizes = [1 if st == 0 else n for n, st in zip(t.shape, t.stride(), strict=True)]
+    sizes = [1 if known(st == 0) else n for n, st in zip(t.shape, t.stride(), strict=True)]
     return t.as_strided(sizes, t.stride())
 
 

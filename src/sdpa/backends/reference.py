@@ -32,7 +32,7 @@ class Reference(Backend):
         if isinstance(mask, masks.Mask):
             mask = mask.materialize(q.shape[2], k.shape[2], q.device, max_bytes=None)
             mask = mask if mask.ndim == 4 else mask[None, None]  # (B|1, 1, L, S)
-        group = q.shape[1] // k.shape[1]
+        group = inputs.group
         if group > 1:  # grouped-query attention: query head h uses key/value head h // group
             k = k.repeat_interleave(group, dim=1)  # (B, Hq, S, E)
             v = v.repeat_interleave(group, dim=1)  # (B, Hq, S, Ev)
