@@ -44,7 +44,7 @@ def inputs(gen, shape, mask_kind):
 
 def expected_weights(q, k, mask, causal):
     """The dense weights in float64 with torch's semantics for empty dims."""
-    B, Hq, L, E = q.shape
+    _, Hq, L, E = q.shape
     S = k.shape[2]
     group = Hq // k.shape[1] if k.shape[1] else 1
     kk = k.double().repeat_interleave(group, dim=1)
@@ -73,7 +73,7 @@ def test_drop_in_is_torch_on_empty_shapes(gen, name, mask_kind):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_attention_and_every_statistic_on_empty_shapes(gen, name, mask_kind, backend):
     q, k, v, mask = inputs(gen, SHAPES[name], mask_kind)
-    B, Hq, _, L, S, E, Ev = SHAPES[name]
+    B, Hq, _, L, S, _, Ev = SHAPES[name]
     causal = mask_kind == "causal" and L == S
     p = expected_weights(q, k, mask, causal)  # (B, Hq, L, S)
     out, w = sdpa.attention(q, k, v, mask, causal=causal, backend=backend)

@@ -22,9 +22,7 @@ from oracle import oracle
 def torch_bias(variant, L, S):
     with warnings.catch_warnings():  # lower-right with L > S: torch warns of NaNs (gives 0)
         warnings.simplefilter("ignore")
-        return {"upper_left": causal_upper_left, "lower_right": causal_lower_right}[variant](
-            L, S
-        )
+        return {"upper_left": causal_upper_left, "lower_right": causal_lower_right}[variant](L, S)
 
 
 # Every torch object documented as an SDPA mask, and what sdpa makes of it.
