@@ -10,6 +10,7 @@ from torch.nn.attention.bias import CausalBias
 from sdpa.backends import BACKENDS, select
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, no_autocast, normalize
+from sdpa.nested import nested_attention
 from sdpa.weights import AttentionWeights
 
 
@@ -95,6 +96,11 @@ def scaled_dot_product_attention(
     is_causal raises, as torch documents. Beyond torch it also takes integer keep-masks
     and float masks of any float dtype.
     """
+    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+        return nested_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            scaled_dot_product_attention,
+        )  # fmt: skip
     if isinstance(attn_mask, CausalBias) and is_causal:
         raise SdpaValueError("CausalBias should not be used with causal=True")  # torch's text
     if attn_mask is not None and is_causal:

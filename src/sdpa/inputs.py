@@ -141,7 +141,7 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _autocast(tensors: list[torch.Tensor | None], device_type: str) -> list[torch.Tensor | None]:
+def autocast(tensors: list[torch.Tensor | None], device_type: str) -> list[torch.Tensor | None]:
     """torch's autocast rule for SDPA: floating tensors other than float64 take the
     autocast dtype (torch.get_autocast_dtype); bool masks and float64 are left alone."""
     target = torch.get_autocast_dtype(device_type)
@@ -295,7 +295,7 @@ def normalize(
     check_flag("causal", causal)
     device = query.device
     if autocast_enabled(device.type):
-        query, key, value, mask = _autocast([query, key, value, mask], device.type)
+        query, key, value, mask = autocast([query, key, value, mask], device.type)
     _check_dtypes_devices(query, key, value)
 
     qs, ks, vs = _shape(query), _shape(key), _shape(value)
