@@ -256,7 +256,7 @@ class AttentionWeights:
             raise SdpaValueError(f"k must be an int in [0, S={S}], got {k!r}")
         self._check_fresh()
         L = i.query.shape[2]
-        if self._shape_only or k == 0:
+        if self._shape_only:
             return self._zeros(L, k), torch.zeros(
                 (*i.lead, L, k), dtype=torch.long, device=self.device
             )
