@@ -174,11 +174,11 @@ def test_refusals():
         masks.causal("left")
     with pytest.raises(ValueError, match=r"size must be a positive int"):
         masks.sliding_window(0)
-    with pytest.raises(ValueError, match=r"lengths must be a 1-D integer"):
+    with pytest.raises(TypeError, match=r"lengths must be a 1-D integer"):
         masks.padding(torch.ones(2, 2))
     with pytest.raises(ValueError, match=r"lengths must be non-negative"):
         masks.padding([3, -1])
-    with pytest.raises(ValueError, match=r"q_ids must be integer document ids"):
+    with pytest.raises(TypeError, match=r"q_ids must be integer document ids"):
         masks.documents(torch.rand(5))
     with pytest.raises(TypeError, match=r"masks combine with other sdpa.masks objects"):
         masks.causal() & torch.ones(3, 3, dtype=torch.bool)
@@ -197,6 +197,121 @@ def test_refusals():
         r"L=5, S=5",
     ):
         sdpa.attention(q, q, q, masks.documents(torch.arange(4)))
+
+
+ANY_MASK = [
+    masks.causal(),
+    masks.sliding_window(3, "top-left"),
+    masks.padding([2, 0]),
+    masks.documents([0, 0, 1]),
+    masks.causal() & masks.padding([1]),
+]
+SIZE_HINT = r"; e\.g\. mask\.materialize\(L=4, S=6\) for 4 queries, 6 keys"
+
+
+@pytest.mark.parametrize("mask", ANY_MASK, ids=repr)
+@pytest.mark.parametrize(
+    "L,S,error,match",
+    [
+        (-1, 3, ValueError, r"L must be a non-negative int \(the number of queries\), got -1"),
+        (3, -5, ValueError, r"S must be a non-negative int \(the number of keys\), got -5"),
+        (3.0, 3, TypeError, r"L must be an int \(the number of queries\), got 3\.0 \(float\)"),
+        (3, True, TypeError, r"S must be an int \(the number of keys\), got True \(bool\)"),
+        ("3", 3, TypeError, r"L must be an int \(the number of queries\), got '3' \(str\)"),
+        (3, None, TypeError, r"S must be an int \(the number of keys\), got None \(NoneType\)"),
+        (torch.tensor(3.0), 3, TypeError, r"L must be an int .* got tensor\(3\.\) \(Tensor\)"),
+    ],
+)
+def test_materialize_refuses_bad_sizes(mask, L, S, error, match):
+    with pytest.raises(error, match=r"materialize: " + match + SIZE_HINT) as info:
+        mask.materialize(L, S)
+    assert isinstance(info.value, RuntimeError)  # torch-style `except RuntimeError` works
+
+
+def test_materialize_takes_integer_sizes_of_any_kind():
+    want = masks.causal().materialize(3, 4)
+    assert torch.equal(masks.causal().materialize(torch.tensor(3), 4), want)  # 0-d int
+    assert masks.padding([1, 0]).materialize(0, 2).shape == (2, 1, 0, 2)
+
+
+def test_materialize_refuses_over_budget_before_allocating(monkeypatch):
+    def boom(*args):
+        raise AssertionError("keep ran: the budget was checked too late")
+
+    for cls in (masks._Band, masks._Padding):
+        monkeypatch.setattr(cls, "keep", boom)
+    with pytest.raises(
+        MemoryError,
+        match=r"masks\.causal\(align='bottom-right'\)\.materialize: the bool mask "
+        r"\(1, 100000, 100000\) need 10,000,000,000 bytes \(9\.31 GiB\), over "
+        r"max_bytes=1,073,741,824\. Ask for rows with mask\.keep",
+    ) as info:
+        masks.causal().materialize(10**5, 10**5)
+    assert isinstance(info.value, sdpa.errors.WeightsTooLargeError)
+    with pytest.raises(MemoryError, match=r"\(2, 100, 100\) need 20,000 bytes"):
+        masks.padding([3, 4]).materialize(100, 100, max_bytes=19_999)  # counts the batch
+    with pytest.raises(TypeError, match=r"max_bytes must be a non-negative int .* got -1"):
+        masks.causal().materialize(4, 4, max_bytes=-1)
+
+
+def test_materialize_budget_is_inclusive():
+    assert masks.padding([3, 4]).materialize(100, 100, max_bytes=20_000).shape == (2, 1, 100, 100)
+    assert masks.causal().materialize(300, 400, max_bytes=None).shape == (300, 400)
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: masks.causal(1), TypeError, r"align must be a str, 'bottom-right' or "
+         r"'top-left', got 1 \(int\)"),
+        (lambda: masks.causal(None), TypeError, r"align must be a str, .* got None"),
+        (lambda: masks.sliding_window(4, align="right"), ValueError,
+         r"align must be 'bottom-right' or 'top-left', got 'right'"),
+        (lambda: masks.sliding_window(2.0), TypeError, r"size must be a positive int \(keys "
+         r"per window\), got 2\.0 \(float\); e\.g\. sliding_window\(512\)"),
+        (lambda: masks.sliding_window(True), TypeError, r"size must be .* got True \(bool\)"),
+        (lambda: masks.sliding_window("8"), TypeError, r"size must be .* got '8' \(str\)"),
+        (lambda: masks.sliding_window(-3), ValueError, r"size must be a positive int \(keys "
+         r"per window\), got -3; e\.g\. sliding_window\(512\)"),
+        (lambda: masks.padding([1.5, 2]), TypeError, r"lengths must be a 1-D integer tensor "
+         r"or list of ints, e\.g\. \[5, 3\]; got torch\.float32 values of shape \(2,\) "
+         r"\(list\)"),
+        (lambda: masks.padding(torch.tensor([3.0])), TypeError,
+         r"lengths must be .* got torch\.float32 values of shape \(1,\) \(Tensor\)"),
+        (lambda: masks.padding([True, False]), TypeError,
+         r"lengths must be .* got torch\.bool values"),
+        (lambda: masks.padding("12"), TypeError, r"lengths must be .* got '12' \(str\)"),
+        (lambda: masks.padding(["1", "2"]), TypeError,
+         r"lengths must be .* got \['1', '2'\] \(list\)"),
+        (lambda: masks.padding(None), TypeError, r"lengths must be .* got None \(NoneType\)"),
+        (lambda: masks.padding([1 + 2j]), TypeError,
+         r"lengths must be .* got torch\.complex64 values"),
+        (lambda: masks.padding([]), ValueError, r"lengths must be a 1-D integer tensor or list "
+         r"\(one length per batch element\), got shape \(0,\); e\.g\. padding\(\[5, 3\]\)"),
+        (lambda: masks.padding(4), ValueError, r"lengths must be a 1-D .* got shape \(\)"),
+        (lambda: masks.documents([0.0, 1.0]), TypeError, r"q_ids must be integer document ids "
+         r"of shape \(L,\) or \(B, L\), e\.g\. \[0, 0, 1, 1, 1\]; got torch\.float32"),
+        (lambda: masks.documents(torch.ones(3, 3, dtype=torch.bool)), TypeError,
+         r"q_ids must be integer document ids .* got torch\.bool values of shape \(3, 3\)"),
+        (lambda: masks.documents([0, 1], "ab"), TypeError,
+         r"k_ids must be integer document ids .* got 'ab' \(str\)"),
+        (lambda: masks.documents(torch.zeros(2, 2, 2, dtype=torch.long)), ValueError,
+         r"q_ids must be integer document ids of shape \(L,\) or \(B, L\), got torch\.int64 "
+         r"of shape \(2, 2, 2\)"),
+        (lambda: masks.documents([[0, 1]], [0, 1]), ValueError,
+         r"q_ids \(1, 2\) and k_ids \(2,\) must both be \(L,\) or both \(B, L\)"),
+    ],
+)  # fmt: skip
+def test_constructors_refuse_bad_arguments(make, error, match):
+    with pytest.raises(error, match=match) as info:
+        make()
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_constructors_take_what_works():
+    assert masks.documents([]).materialize(0, 0).shape == (0, 0)
+    assert masks.padding(torch.tensor([2, 0], dtype=torch.int32)).lengths.dtype == torch.long
+    assert masks.documents(torch.tensor([0, 0, 1], dtype=torch.uint8)).materialize(3, 3).sum() == 5
 
 
 @pytest.mark.parametrize("L,S,bq,bk", [(16, 16, 4, 4), (17, 23, 4, 8), (64, 64, 16, 8)])

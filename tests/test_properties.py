@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import sdpa
@@ -51,37 +51,91 @@ def test_backends_agree_with_oracle(case):
         assert torch.all(((sums - 1).abs() < 1e-5) | (sums == 0))
 
 
-N = 600  # positions: enough for several 256 x 64 blocks, so block skipping really runs
+# Sizes on and beside the engine's block edges (BLOCK_Q = 256 queries, BLOCK_K = 64 keys),
+# so block skipping runs with diagonals, windows, lengths and documents on the edges.
+EDGES = [1, 63, 64, 65, 127, 128, 255, 256, 257, 320, 511, 512, 513]
+N = 600  # the largest L or S drawn
+
+
+def near_edges(lo, hi):
+    """An int in [lo, hi], often on or beside a block edge."""
+    edges = [n for n in EDGES if lo <= n <= hi]
+    return st.sampled_from(edges) | st.integers(lo, hi) if edges else st.integers(lo, hi)
 
 
 @st.composite
-def mask_trees(draw, depth=2):
-    """A random structured mask over N queries and N keys."""
+def lengths(draw):
+    """(L, S) with L < S, L > S and L == S; S - L = 1, 65 or -63 puts the bottom-right
+    diagonal exactly on a key-block edge at the end of every query block."""
+    L = draw(near_edges(1, N))
+    beside = st.sampled_from([-65, -64, -63, -1, 0, 1, 63, 64, 65])  # S - L
+    S = draw(near_edges(1, N) | beside.map(lambda d: min(N, max(1, L + d))))
+    return L, S
+
+
+def doc_ids(draw, n):
+    """Sorted ids of packed documents over n positions, cut often on block edges."""
+    cuts = draw(st.lists(near_edges(1, max(1, n - 1)), max_size=4))
+    cuts = sorted({c for c in cuts if 0 < c < n})
+    sizes = torch.diff(torch.tensor([0, *cuts, n]))
+    return torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # (n,)
+
+
+@st.composite
+def mask_trees(draw, L, S, depth=2):
+    """A random structured mask over L queries and S keys."""
     kinds = ["causal", "window", "padding", "docs"] + ["and", "or"] * (depth > 0)
     kind = draw(st.sampled_from(kinds))
+    align = draw(st.sampled_from(masks.ALIGNS))
     if kind == "causal":
-        return masks.causal(draw(st.sampled_from(masks.ALIGNS)))
+        return masks.causal(align)
     if kind == "window":
-        return masks.sliding_window(draw(st.integers(1, 400)), draw(st.sampled_from(masks.ALIGNS)))
+        size = draw(near_edges(1, N) | st.sampled_from([S, S + 1]))
+        return masks.sliding_window(size, align)
     if kind == "padding":
-        return masks.padding(draw(st.lists(st.integers(0, N), min_size=2, max_size=2)))
+        edges = near_edges(0, S) | st.sampled_from([0, S])
+        return masks.padding(draw(st.lists(edges, min_size=2, max_size=2)))
     if kind == "docs":  # packed documents of random lengths
-        cuts = sorted(draw(st.lists(st.integers(1, N - 1), max_size=4)))
-        lengths = torch.diff(torch.tensor([0, *cuts, N]))
-        return masks.documents(torch.repeat_interleave(torch.arange(len(lengths)), lengths))
-    a, b = draw(mask_trees(depth=depth - 1)), draw(mask_trees(depth=depth - 1))
+        q_ids = doc_ids(draw, L)
+        return masks.documents(q_ids, None if L == S and draw(st.booleans()) else doc_ids(draw, S))
+    a, b = draw(mask_trees(L, S, depth=depth - 1)), draw(mask_trees(L, S, depth=depth - 1))
     return (a & b) if kind == "and" else (a | b)
 
 
-@settings(max_examples=25, deadline=None)
-@given(mask_trees(), st.integers(0, 2**31 - 1))
-def test_any_mask_tree_equals_its_materialised_twin(mask, seed):
-    """Block skipping, the reference backend and the weights agree with the dense twin."""
+@st.composite
+def tree_cases(draw):
+    L, S = draw(lengths())
+    return L, S, draw(mask_trees(L, S)), draw(st.integers(0, 2**31 - 1))
+
+
+def packed(*sizes):
+    """ids of packed documents of these sizes: packed(2, 3) = [0, 0, 1, 1, 1]."""
+    return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree_cases())
+# every query block's last query sees exactly the first key of a key block (S - L = 65)
+@example((256, 321, masks.sliding_window(100), 0))
+# the window's far edge falls exactly on the first key of a key block, in a span
+# otherwise FULL (a partial block elsewhere in the span would mask the whole span)
+@example((512, 64, masks.sliding_window(511, "top-left"), 1))
+# lengths beside and on key-block edges, alone (nothing else in the span to mask them)
+@example((300, 321, masks.padding([127, 129]), 2))
+@example((400, 321, masks.padding([128, 321]) | masks.causal("top-left"), 3))
+# documents cut on query- and key-block edges, L != S
+@example((513, 320, masks.documents(packed(256, 257), packed(64, 256)) & masks.causal(), 4))
+def test_any_mask_tree_equals_its_materialised_twin(case):
+    """Block skipping, the reference backend and the weights agree with the float64
+    oracle given the dense twin, for L != S and sizes on block edges."""
+    L, S, mask, seed = case
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(2, 2, N, 8, generator=g) for _ in range(3))
-    twin = mask.materialize(N, N)
+    q = torch.randn(2, 2, L, 8, generator=g)
+    k, v = (torch.randn(2, 2, S, 8, generator=g) for _ in range(2))
+    twin = mask.materialize(L, S)
     ref_out, ref_p = oracle(q, k, v, twin)
     for backend in ("fused", "reference"):
         out, w = sdpa.attention(q, k, v, mask, backend=backend)
-        torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
-        torch.testing.assert_close(w[:, :, ::37].double(), ref_p[:, :, ::37], atol=2e-5, rtol=0)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0, msg=repr(mask))
+        torch.testing.assert_close(w[:, :, ::37].double(), ref_p[:, :, ::37], atol=2e-5, rtol=0,
+                                   msg=repr(mask))  # fmt: skip

@@ -13,6 +13,8 @@ at key position i + S - L (FlashAttention >= 2.1, xFormers, KV-cache decoding);
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
@@ -33,9 +35,15 @@ class Mask:
         raise NotImplementedError
 
     def blocks(self, L: int, S: int, bq: int, bk: int) -> torch.Tensor:
-        """(Bm, ceil(L/bq), ceil(S/bk)) occupancy of each block: EMPTY, PARTIAL or FULL.
-        Exact here (from keep); subclasses answer analytically, conservatively."""
-        keep = self.materialize(L, S, max_bytes=None).reshape(-1, L, S)  # (Bm, L, S)
+        """(Bm, ceil(L/bq), ceil(S/bk)) int8 occupancy of each bq x bk block of the
+        L x S view: EMPTY (no True), FULL (all True) or PARTIAL.
+
+        Contract, held to `keep` on block edges by tests/test_mask_blocks.py: always
+        *sound* (never FULL where the block holds a False, never EMPTY where it holds a
+        True; PARTIAL is always allowed and only costs speed). Exact here (from keep)
+        and in causal, sliding_window and padding; documents is exact when q_ids and
+        k_ids are sorted and hold the same ids, else sound; & and | are sound."""
+        keep = self.materialize(L, S, max_bytes=None).reshape(self.batch or 1, L, S)  # (Bm, L, S)
         return occupancy(keep, bq, bk)
 
     def is_top_left_causal(self, L: int, S: int) -> bool:
@@ -55,6 +63,7 @@ class Mask:
     ) -> torch.Tensor:
         """The whole mask: (L, S) bool, or (B, 1, L, S) for a mask with a batch dim.
         Refuses, before allocating, a view over max_bytes (None: no limit)."""
+        L, S = _check_size("L", L, "queries"), _check_size("S", S, "keys")
         check_fits(
             f"{self!r}.materialize: the bool mask",
             ((self.batch or 1), L, S),
@@ -83,11 +92,37 @@ def _check_mask(other: object) -> Mask:
     return other
 
 
+def _check_size(name: str, value: object, what: str) -> int:
+    """value as an int if it is a non-negative integer (not a bool), else a clear error."""
+    if torch.compiler.is_compiling():  # a traced size (a SymInt) from the engine
+        return value  # type: ignore[return-value]
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)  # int, numpy ints
+    except TypeError:
+        n = None
+    if n is None:
+        raise SdpaTypeError(
+            f"materialize: {name} must be an int (the number of {what}), got {value!r} "
+            f"({type(value).__name__}); e.g. mask.materialize(L=4, S=6) for 4 queries, 6 keys"
+        )
+    if n < 0:
+        raise SdpaValueError(
+            f"materialize: {name} must be a non-negative int (the number of {what}), got "
+            f"{n}; e.g. mask.materialize(L=4, S=6) for 4 queries, 6 keys"
+        )
+    return n
+
+
 def _offset(align: str, L: int, S: int) -> int:
     return S - L if align == "bottom-right" else 0
 
 
 def _check_align(align: object) -> str:
+    if not isinstance(align, str):
+        raise SdpaTypeError(
+            f"align must be a str, 'bottom-right' or 'top-left', got {align!r} "
+            f"({type(align).__name__})"
+        )
     if align not in ALIGNS:
         raise SdpaValueError(f"align must be 'bottom-right' or 'top-left', got {align!r}")
     return align  # type: ignore[return-value]
@@ -111,6 +146,8 @@ class _Band(Mask):
         return keep[None]  # (1, r, c)
 
     def blocks(self, L, S, bq, bk):
+        """Exact. A block's positions p in [p_lo, p_hi] see keys in (p_lo - size, p_hi],
+        so keys [k0, k1] are EMPTY past either end and FULL inside (p_hi - size, p_lo]."""
         off = _offset(self.align, L, S)
         q0 = torch.arange(0, L, bq)[:, None]  # first query of each block
         q1 = torch.clamp(q0 + bq, max=L) - 1  # last query
@@ -154,8 +191,15 @@ def sliding_window(size: int, align: str = "bottom-right") -> Mask:
         0 1 1 0
         0 0 1 1
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise SdpaValueError(f"size must be a positive int (keys per window), got {size!r}")
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise SdpaTypeError(
+            f"size must be a positive int (keys per window), got {size!r} "
+            f"({type(size).__name__}); e.g. sliding_window(512)"
+        )
+    if size < 1:
+        raise SdpaValueError(
+            f"size must be a positive int (keys per window), got {size}; e.g. sliding_window(512)"
+        )
     return _Band(size, align, "sliding_window")
 
 
@@ -170,6 +214,7 @@ class _Padding(Mask):
         return keep.expand(self.batch, len(q_pos), len(k_pos))
 
     def blocks(self, L, S, bq, bk):
+        """Exact: keys [k0, k1) are FULL when k1 <= length, EMPTY when k0 >= length."""
         k0 = torch.arange(0, S, bk)  # (nK,)
         k1 = torch.clamp(k0 + bk, max=S)
         n = self.lengths.cpu()[:, None]  # (B, 1)
@@ -188,15 +233,32 @@ def padding(lengths: torch.Tensor | list[int]) -> Mask:
     lengths=[3, 1], S=4, any L
         b=0: 1 1 1 0        b=1: 1 0 0 0
     """
-    lengths = torch.as_tensor(lengths).clone()  # a mask never changes under the weights
-    if lengths.ndim != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+    lengths = _int_tensor("lengths", lengths, "a 1-D integer tensor or list of ints, e.g. [5, 3]")
+    if lengths.ndim != 1 or len(lengths) == 0:
         raise SdpaValueError(
             f"lengths must be a 1-D integer tensor or list (one length per batch element), "
-            f"got {lengths.dtype} of shape {tuple(lengths.shape)}"
+            f"got shape {tuple(lengths.shape)}; e.g. padding([5, 3])"
         )
-    if len(lengths) == 0 or (lengths < 0).any():
+    if (lengths < 0).any():
         raise SdpaValueError(f"lengths must be non-negative, one per batch element, got {lengths}")
     return _Padding(lengths.long())
+
+
+def _int_tensor(name: str, value: object, works: str) -> torch.Tensor:
+    """value as a fresh integer tensor (a mask never changes under the weights), or a
+    clear SdpaTypeError naming `name`, what was seen and what works."""
+    seen = f"{type(value).__name__}"
+    try:
+        t = torch.as_tensor(value).clone()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise SdpaTypeError(f"{name} must be {works}; got {value!r:.60} ({seen}): {e}") from e
+    if t.numel() == 0 and not isinstance(value, torch.Tensor):
+        t = t.long()  # torch reads [] as float32
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise SdpaTypeError(
+            f"{name} must be {works}; got {t.dtype} values of shape {tuple(t.shape)} ({seen})"
+        )
+    return t
 
 
 class _Documents(Mask):
@@ -222,6 +284,10 @@ class _Documents(Mask):
         return q[:, :, None] == k[:, None, :]
 
     def blocks(self, L, S, bq, bk):
+        """From each block's min and max id: FULL when both blocks hold one and the same
+        id, EMPTY when their id ranges are apart. Sound; exact when q_ids and k_ids are
+        sorted and hold the same ids (packed sequences), as a block then holds every id
+        of its range."""
         q_ids, k_ids = self._ids(L, S)
         q_lo, q_hi = _block_min_max(q_ids.cpu(), bq)  # (Bm, nQ)
         k_lo, k_hi = _block_min_max(k_ids.cpu(), bk)  # (Bm, nK)
@@ -247,10 +313,11 @@ def documents(q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> Mask:
         0 0 1 1 1
         0 0 1 1 1
     """
-    q_ids = torch.as_tensor(q_ids).clone()  # a mask never changes under the weights
-    k_ids = q_ids if k_ids is None else torch.as_tensor(k_ids).clone()
+    works = "integer document ids of shape (L,) or (B, L), e.g. [0, 0, 1, 1, 1]"
+    q_ids = _int_tensor("q_ids", q_ids, works)
+    k_ids = q_ids if k_ids is None else _int_tensor("k_ids", k_ids, works)
     for name, ids in (("q_ids", q_ids), ("k_ids", k_ids)):
-        if ids.ndim not in (1, 2) or ids.is_floating_point():
+        if ids.ndim not in (1, 2):
             raise SdpaValueError(
                 f"{name} must be integer document ids of shape (L,) or (B, L), got "
                 f"{ids.dtype} of shape {tuple(ids.shape)}"
@@ -260,9 +327,10 @@ def documents(q_ids: torch.Tensor, k_ids: torch.Tensor | None = None) -> Mask:
             f"q_ids {tuple(q_ids.shape)} and k_ids {tuple(k_ids.shape)} must both be (L,) or "
             f"both (B, L) with the same B"
         )
+    batched = q_ids.ndim == 2
     return _Documents(
-        q_ids.reshape(-1, q_ids.shape[-1]), k_ids.reshape(-1, k_ids.shape[-1]), q_ids.ndim == 2
-    )
+        q_ids if batched else q_ids[None], k_ids if batched else k_ids[None], batched
+    )  # (Bm, L), (Bm, S)
 
 
 class _Combined(Mask):
@@ -281,6 +349,9 @@ class _Combined(Mask):
         return (a & b) if self.op == "and" else (a | b)
 
     def blocks(self, L, S, bq, bk):
+        """Sound, not exact: & takes the smaller occupancy (EMPTY < PARTIAL < FULL), | the
+        larger; two PARTIAL children stay PARTIAL even where their Trues never meet (&,
+        truly EMPTY) or together cover the block (|, truly FULL)."""
         a, b = self.a.blocks(L, S, bq, bk), self.b.blocks(L, S, bq, bk)
         return torch.minimum(a, b) if self.op == "and" else torch.maximum(a, b)
 
@@ -319,5 +390,6 @@ def _block_min_max(ids: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tenso
     """Per-block min and max of ids (Bm, N) in blocks of b -> each (Bm, ceil(N/b))."""
     N = ids.shape[-1]
     n = -(-N // b)
-    padded = torch.cat([ids, ids[:, -1:].expand(-1, n * b - N)], dim=-1).view(-1, n, b)
+    padded = torch.cat([ids, ids[:, -1:].expand(-1, n * b - N)], dim=-1)  # (Bm, n * b)
+    padded = padded.view(ids.shape[0], n, b)  # (Bm, n, b)
     return padded.amin(dim=-1), padded.amax(dim=-1)
