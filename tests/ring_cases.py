@@ -1,5 +1,6 @@
 """Worker processes for the ring attention tests: a gloo group that stays up for many
-cases, each checked on every rank against single-process sdpa.attention."""
+cases, each checked on every rank against single-process sdpa.attention and against the
+float64 oracle (tests/oracle.py) on the gathered sequence."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch.distributed as dist
 import sdpa
 from sdpa import distributed as sd
 from sdpa import masks
+
+from oracle import oracle
 
 
 def worker(rank: int, world: int, port: int, tasks, results) -> None:
@@ -59,6 +62,51 @@ def _mask(kind, B, L, seed):
     raise ValueError(kind)
 
 
+def _keep(kind, B, L, seed):
+    """The mask `kind` of _mask written out independently of sdpa.masks, for the oracle:
+    (B|1, 1, L, L) bool (True = takes part), or None."""
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    g = torch.Generator().manual_seed(seed + 1)
+    if kind is None:
+        return None
+    if kind == "padding":
+        lengths = torch.tensor([(1, L // 2 + 1, L)[b % 3] for b in range(B)])
+        return (j < lengths[:, None, None])[:, None]
+    if kind == "documents":
+        ids = torch.sort(torch.randint(0, 4, (B, L), generator=g), dim=-1).values
+        return (ids[:, :, None] == ids[:, None, :])[:, None]
+    if kind == "window":  # the window of 5 ending at the query (L == S), and padding
+        return ((j > i - 5) & (j <= i) & (j < L - 3))[None, None]
+    if kind == "dead":
+        q_ids = torch.arange(L) % 3
+        return (q_ids[:, None] == torch.where(q_ids == 2, 0, q_ids)[None, :])[None, None]
+    raise ValueError(kind)
+
+
+def _oracle(q, k, v, keep, causal, scale, dtype=torch.float64):
+    """The float64 oracle on the gathered sequence: (out, p), differentiable in q, k, v."""
+    if keep is not None and q.ndim == 3:  # (B, L, E): the mask without its head dim
+        keep = keep[:, 0]
+    return oracle(q, k, v, keep, causal=causal, scale=scale, dtype=dtype)
+
+
+def _lse64(q, k, keep, causal, scale):
+    """Each query's log-sum-exp of its scores in float64, written out as the oracle
+    builds the scores; 0 for rows that see no key."""
+    q, k = q.detach().double(), k.detach().double()
+    if q.ndim == 4:  # GQA: query head h on key head h // group
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    elif keep is not None:
+        keep = keep[:, 0]
+    s = q @ k.mT * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -torch.inf)
+    if keep is not None:
+        s = s.masked_fill(~keep, -torch.inf)
+    lse = s.logsumexp(-1)
+    return lse.masked_fill(lse == -torch.inf, 0.0)
+
+
 def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
@@ -68,7 +116,9 @@ def compare(
     n=8, m=None, E=8, Ev=None, scale=None, dtype="float32", grad=False, three_d=False,
 ):  # fmt: skip
     """This rank's output, LSE (and gradients) against sdpa.attention on the whole
-    sequence: the largest errors, for the test to judge."""
+    sequence and against the float64 oracle: the largest errors, for the test to judge.
+    "*64" errors are against the oracle; "ref_*64" those of single-process sdpa.attention
+    in the same dtype, for the 16-bit bounds."""
     dtype = getattr(torch, dtype)
     Hkv, m, Ev = Hkv or Hq, m or n, Ev or E
     L, S = n * world, m * world
@@ -84,53 +134,63 @@ def compare(
 
     parts = [cut(t) for t in (q, k, v)]
     ours = sd.ring_attention(*parts, mk, causal=causal, scale=scale, layout=layout, timeout=60)
-    exact = sdpa.attention(*(t.double() for t in (q, k, v)), mk, causal=causal, scale=scale)
-    exact_out = sd.shard(exact.output, rank, world, layout=layout)
+    keep = _keep(mask, B, L, seed)
+    exact = [t.double().requires_grad_(grad) for t in (q, k, v)]
+    exact_out = _oracle(*exact, keep, causal, scale)[0]
+
+    def mine(t):  # this rank's part of a whole-sequence tensor
+        return sd.shard(t, rank, world, layout=layout)
+
+    exact_lse = _lse64(*exact[:2], keep, causal, scale)
     errors = {
-        "out": _max_err(ours.output, sd.shard(ref.output, rank, world, layout=layout)),
-        # against float64: ours, and single-process attention in the same dtype
-        "out64": _max_err(ours.output, exact_out),
-        "ref_out64": _max_err(sd.shard(ref.output, rank, world, layout=layout), exact_out),
-        "lse": _max_err(ours.weights.lse, sd.shard(ref.weights.lse[..., None], rank, world,
-                                                  layout=layout)[..., 0]),
-    }  # fmt: skip
+        "out": _max_err(ours.output, mine(ref.output)),
+        "lse": _max_err(ours.weights.lse, mine(ref.weights.lse[..., None])[..., 0]),
+        "out64": _max_err(ours.output, mine(exact_out)),
+        "ref_out64": _max_err(mine(ref.output), mine(exact_out)),
+        "lse64": _max_err(ours.weights.lse, mine(exact_lse[..., None])[..., 0]),
+    }
+    if dtype in (torch.bfloat16, torch.float16):  # the oracle run in that dtype
+        errors["oracle_out64"] = _max_err(
+            mine(_oracle(q, k, v, keep, causal, scale, dtype=dtype)[0]), mine(exact_out)
+        )
     if grad:
         (ref.output * g).sum().backward()
-        (ours.output * sd.shard(g, rank, world, layout=layout)).sum().backward()
-        for name, mine, full in zip("qkv", parts, whole, strict=True):
-            errors[f"d{name}"] = _max_err(
-                mine.grad, sd.shard(full.grad, rank, world, layout=layout)
-            )
+        (ours.output * mine(g)).sum().backward()
+        (exact_out * g.double()).sum().backward()
+        for name, part, full, x in zip("qkv", parts, whole, exact, strict=True):
+            errors[f"d{name}"] = _max_err(part.grad, mine(full.grad))
+            errors[f"d{name}64"] = _max_err(part.grad, mine(x.grad))
     return errors
 
 
 def weights(rank, world, *, seed, layout="contiguous", causal=False, mask=None, Hkv=2):
-    """Rows, entropy, top-k and received sums of this rank against the single-process
-    weights."""
+    """Rows, entropy, top-k, row max and received sums of this rank against the float64
+    oracle's weights of the gathered sequence."""
     B, Hq, n, E = 2, 4, 8, 8
     L = n * world
     q, k, v, _ = _inputs(seed, B, Hq, Hkv, L, L, E, E, torch.float32)
     mk = _mask(mask, B, L, seed)
-    ref = sdpa.attention(q, k, v, mk, causal=causal).weights
     ours = sd.ring_attention(
         *(sd.shard(t, rank, world, layout=layout) for t in (q, k, v)), mk,
         causal=causal, layout=layout, timeout=60,
     ).weights  # fmt: skip
     pos = sd.positions(n, rank, world, layout)
-    dense = ref.full()  # (B, Hq, L, S)
+    p = _oracle(q, k, v, _keep(mask, B, L, seed), causal, None)[1]  # (B, Hq, L, S) float64
+    mine = p[:, :, pos]  # this rank's query rows
+    plogp = torch.where(mine > 0, mine * mine.log(), torch.zeros_like(mine))
     i = int(torch.randint(n, (1,), generator=torch.Generator().manual_seed(seed + rank)))
     values, indices = ours.topk(3)
-    ref_values, _ = ref.topk(3)
     return {
         "shape": int(ours.shape != torch.Size((B, Hq, n, L))),
-        "row": _max_err(ours[1, :, i], dense[1, :, pos[i]]),
-        "rows": _max_err(ours.full(), dense[:, :, pos]),
-        "entropy": _max_err(ours.entropy(), ref.entropy()[:, :, pos]),
-        "topk": _max_err(values, ref_values[:, :, pos]),
-        "topk_index": _max_err(dense[:, :, pos].gather(-1, indices), values),
-        "amax": _max_err(ours.amax(), ref.amax()[:, :, pos]),
-        "sum": _max_err(ours.sum(dim=-2), ref.sum(dim=-2)[:, :, pos]),
-        "mean": _max_err(ours.mean(dim=-2), ref.mean(dim=-2)[:, :, pos]),
+        "row": _max_err(ours[1, :, i], mine[1, :, i]),
+        "rows": _max_err(ours.full(), mine),
+        "entropy": _max_err(ours.entropy(), -plogp.sum(-1)),
+        "topk": _max_err(values, mine.topk(3, dim=-1).values),
+        "topk_index": _max_err(mine.gather(-1, indices), values),
+        "amax": _max_err(ours.amax(), mine.amax(-1)),
+        # this rank's keys, the attention they receive from all L queries
+        "sum": _max_err(ours.sum(dim=-2), p.sum(-2)[:, :, pos]),
+        "mean": _max_err(ours.mean(dim=-2), p.mean(-2)[:, :, pos]),
     }
 
 

@@ -1,5 +1,6 @@
 """Ring attention across 2 and 4 gloo processes against single-process sdpa.attention
-on the gathered sequence; the failure cases end in errors on every rank, not hangs."""
+and the float64 oracle on the gathered sequence; the failure cases end in errors on every
+rank, not hangs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = {"out": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
+# float32 against the float64 oracle: ~3-5x the worst seen over 15 seeds x every case
+# below x 2 and 4 ranks (out 1.4e-6, lse 1.1e-6, dq 3.2e-6, dk 2.2e-6, dv 1.6e-6)
+TOL64 = {"out64": 5e-6, "lse64": 5e-6, "dq64": 1.5e-5, "dk64": 1.5e-5, "dv64": 1.5e-5}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
@@ -56,15 +60,15 @@ CASES = {
 
 
 def _tolerances(case):
-    return {name: 1e-12 for name in TOL} if case.get("dtype") == "float64" else TOL
+    tol = {**TOL, **TOL64}
+    return {name: 1e-12 for name in tol} if case.get("dtype") == "float64" else tol
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_forward_matches_single_process(group, request, case):
+def test_forward_matches_single_process_and_the_oracle(group, request, case):
     for errors in _ok(group("compare", seed=_seed(request), **CASES[case])):
-        for name in ("out", "lse"):
-            assert errors[name] <= TOL[name], (name, errors)
-        assert errors["out64"] <= 2 * errors["ref_out64"] + 1e-6, errors
+        for name in ("out", "lse", "out64", "lse64"):
+            assert errors[name] <= _tolerances(CASES[case])[name], (name, errors)
 
 
 GRAD_CASES = {
@@ -79,7 +83,7 @@ GRAD_CASES = {
 
 
 @pytest.mark.parametrize("case", GRAD_CASES)
-def test_gradients_match_single_process_autograd(group, request, case):
+def test_gradients_match_single_process_autograd_and_the_oracle(group, request, case):
     for errors in _ok(group("compare", seed=_seed(request), grad=True, **GRAD_CASES[case])):
         for name, tol in _tolerances(GRAD_CASES[case]).items():
             assert errors[name] <= tol, (name, errors)
@@ -88,23 +92,36 @@ def test_gradients_match_single_process_autograd(group, request, case):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_is_as_close_as_single_process(group, request, dtype):
     """Blocks run in float32 and merge in float32; only the output is rounded to the
-    input dtype: against float64, as close as single-process attention in that dtype."""
+    input dtype: against the float64 oracle, as close as single-process attention in that
+    dtype (measured: equal) and within 2x the oracle run in that dtype (measured <= 1.0x);
+    the LSE stays float32-exact (measured 6.5e-7 against the oracle; single-process
+    torch's 16-bit CPU kernel is off by up to 6.5e-5)."""
     case = {"dtype": dtype, "causal": True, "layout": "zigzag", "mask": "padding"}
     for errors in _ok(group("compare", seed=_seed(request), **case)):
         assert errors["out64"] <= 1.5 * errors["ref_out64"], errors
+        assert errors["out64"] <= 2 * errors["oracle_out64"], errors
+        assert errors["lse64"] <= TOL64["lse64"], errors
         assert errors["lse"] <= 1e-4, errors
 
 
 @pytest.mark.parametrize(
     "case",
-    [{}, {"causal": True, "layout": "zigzag"}, {"mask": "padding", "causal": True}],
-    ids=["dense", "causal_zigzag", "padding_causal"],
+    [
+        {},
+        {"causal": True, "layout": "zigzag"},
+        {"mask": "padding", "causal": True},
+        {"mask": "documents", "layout": "zigzag"},
+        {"mask": "dead"},
+    ],
+    ids=["dense", "causal_zigzag", "padding_causal", "documents_zigzag", "dead_rows"],
 )
 def test_weights_rows_entropy_topk_and_received_sums(group, request, case):
+    """Against the float64 oracle's weights; worst seen over 15 seeds x 6 masks x 2 and 4
+    ranks: sum 1.9e-6 (over L rows), the others <= 1.1e-6."""
     for errors in _ok(group("weights", seed=_seed(request), **case)):
         assert errors.pop("shape") == 0
         for name, err in errors.items():
-            assert err <= 1e-5, (name, errors)
+            assert err <= (1e-5 if name == "sum" else 5e-6), (name, errors)
 
 
 def test_ranks_with_different_shapes_all_raise(group):
@@ -130,8 +147,8 @@ def test_a_rank_whose_weights_went_stale_makes_every_rank_raise_at_once(group):
 @pytest.mark.parametrize(
     ("what", "error"),
     [
-        ("bad_mask", "TypeError: ring_attention takes a structured mask"),
-        ("timeout", "ValueError: timeout must be a positive number of seconds, got -1"),
+        ("bad_mask", "SdpaTypeError: ring_attention takes a structured mask"),
+        ("timeout", "SdpaValueError: timeout must be a positive number of seconds, got -1"),
     ],
 )
 def test_a_rank_with_bad_arguments_makes_every_rank_raise(group, what, error):
@@ -145,7 +162,7 @@ def test_a_rank_with_bad_arguments_makes_every_rank_raise(group, what, error):
 
 def test_a_mask_batch_dim_needs_one_batch_dim_as_in_attention(group):
     for message in _ok(group("disagree", what="batch5d")):
-        assert message.startswith("ValueError") and "exactly one batch dim" in message
+        assert message.startswith("SdpaValueError") and "exactly one batch dim" in message
 
 
 def test_a_rank_that_never_calls_gives_timeouts_not_a_hang():
@@ -242,7 +259,7 @@ def test_a_group_of_one_rank_is_plain_attention(request):
         (errors,) = _ok(run("compare", seed=_seed(request), **case))
     finally:
         stop()
-    for name, tol in TOL.items():
+    for name, tol in _tolerances(case).items():
         assert errors[name] <= tol, (name, errors)
 
 
