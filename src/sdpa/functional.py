@@ -96,7 +96,8 @@ def scaled_dot_product_attention(
     is_causal raises, as torch documents. Beyond torch it also takes integer keep-masks
     and float masks of any float dtype.
     """
-    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+    nested = getattr(query, "is_nested", False) or getattr(key, "is_nested", False)
+    if nested or getattr(value, "is_nested", False):
         return nested_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             scaled_dot_product_attention,

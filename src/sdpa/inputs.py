@@ -41,12 +41,15 @@ _guard_or_false = getattr(symbolic_shapes, "guard_or_false", None) or (
 
 def known(cond: bool | torch.SymBool) -> bool:
     """True where `cond` holds and can be decided without guarding on data."""
-    return cond if isinstance(cond, bool) else _guard_or_false(cond)
+    return cond if cond.__class__ is bool else _guard_or_false(cond)
 
 
 def empty(*sizes: int | torch.SymInt) -> bool:
     """Whether any of the sizes is known to be 0 (never guards on an unbacked size)."""
-    return any(known(n == 0) for n in sizes)
+    for n in sizes:  # noqa: SIM110 (a loop, not any(): this runs on every call)
+        if n == 0 if n.__class__ is int else _guard_or_false(n == 0):
+            return True
+    return False
 
 
 class Inputs(NamedTuple):
@@ -385,7 +388,9 @@ def _layout(
             [qs[:-3], ks[:-3], vs[:-3]],
             ["query", "key", "value"],
         )
-    hq, hk, hv = (s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs))
+    hq, hk, hv = [s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs)]
+    if known(hq == hk) and known(hk == hv):  # the common case: one number of heads
+        return batch, hq, hq, True
     if known(hk != hv) and not (known(hk == 1) or known(hv == 1)):
         raise SdpaValueError(
             f"key and value must have the same number of heads (dim -3), got key "
@@ -410,6 +415,8 @@ def _layout(
 def _check_dropout(dropout_p: object, torch_semantics: bool) -> float:
     """A probability in [0, 1]: a number (a 0-d tensor or a bool too, as torch takes
     them, in the drop-in)."""
+    if dropout_p.__class__ is float and 0.0 <= dropout_p <= 1.0:  # the common case
+        return dropout_p  # type: ignore[return-value]
     ok_types = (numbers.Real, torch.Tensor) if torch_semantics else (int, float)
     number = isinstance(dropout_p, ok_types) and (
         torch_semantics or not isinstance(dropout_p, bool)

@@ -53,9 +53,7 @@ def chunked_engine():
 def _version(t: object) -> int | None:
     # inference tensors carry no version counter: they cannot be checked; structured
     # masks are immutable
-    # (nor can a tensor being traced by torch.compile / torch.export: a handle made there
-    # never leaves the graph)
-    if not isinstance(t, torch.Tensor) or torch.compiler.is_compiling() or t.is_inference():
+    if not isinstance(t, torch.Tensor) or t.is_inference():
         return None
     return t._version
 
@@ -78,10 +76,12 @@ class AttentionWeights:
         self._inputs = inputs
         self._lse = lse.detach()  # (B, Hq, L)
         self._fused = fused
+        # a handle made while torch.compile / torch.export traces never leaves the graph,
+        # and traced tensors have no version counter to read
         self._versions = (
-            _version(inputs.query),
-            _version(inputs.key),
-            _version(inputs.mask),
+            (None, None, None)
+            if torch.compiler.is_compiling()
+            else (_version(inputs.query), _version(inputs.key), _version(inputs.mask))
         )
 
     @property
