@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's interpreter must be chosen before triton is first imported, and test
+    # modules import it at collection (torch.nn.attention.bias does): choose it here, so
+    # tests/test_triton.py runs the kernels interpreted on CPU whatever the order.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

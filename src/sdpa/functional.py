@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.nn.attention.bias import CausalBias
 
 from sdpa.backends import BACKENDS, select
 from sdpa.errors import SdpaValueError
-from sdpa.inputs import Inputs, check_flag, no_autocast, normalize
+from sdpa.inputs import Inputs, check_flag, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
 from sdpa.weights import AttentionWeights
 
@@ -102,7 +101,7 @@ def scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             scaled_dot_product_attention,
         )  # fmt: skip
-    if isinstance(attn_mask, CausalBias) and is_causal:
+    if is_causal_bias(attn_mask) and is_causal:
         raise SdpaValueError("CausalBias should not be used with causal=True")  # torch's text
     if attn_mask is not None and is_causal:
         raise SdpaValueError(

@@ -19,11 +19,11 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import sys
 from typing import NamedTuple
 
 import torch
 from torch.fx.experimental import symbolic_shapes
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from sdpa import masks
 from sdpa.errors import SdpaTypeError, SdpaValueError
@@ -199,6 +199,14 @@ def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool)
     return t
 
 
+def is_causal_bias(mask: object) -> bool:
+    """Whether mask is torch.nn.attention.bias.CausalBias (causal_upper_left / lower_right).
+    Read from sys.modules: importing that module imports triton, and a mask cannot be a
+    CausalBias before its module is imported."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(mask, bias.CausalBias)
+
+
 def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
     """The mask as sdpa reads it: torch's causal bias objects become the causal mask of
     the same alignment; other tensor subclasses with their own meaning are refused."""
@@ -209,8 +217,8 @@ def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
             f"mask must be None, a torch.Tensor (bool/int: nonzero takes part; float: added "
             f"to the scores) or an sdpa.masks object, got {type(mask).__name__}"
         )
-    if isinstance(mask, CausalBias):
-        top_left = mask.variant == CausalVariant.UPPER_LEFT
+    if is_causal_bias(mask):
+        top_left = mask.variant.name == "UPPER_LEFT"  # else LOWER_RIGHT
         return masks.causal("top-left" if top_left else "bottom-right")
     if mask.is_nested or _own_torch_function(mask):
         kind = (
