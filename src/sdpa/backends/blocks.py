@@ -34,7 +34,8 @@ class Piece(NamedTuple):
 
 def structure(inputs: Inputs) -> torch.Tensor | None:
     """(Bm, nQ, nK) block occupancy of everything that masks these inputs (mask and
-    causal flag), or None where there is no structure to use (no mask, or a float mask)."""
+    causal flag), or None where there is no structure to use (no mask, a float mask, a
+    bool tensor over at most one query block, or while torch.compile traces)."""
     mask, L, S = inputs.mask, inputs.query.shape[2], inputs.key.shape[2]
     if torch.compiler.is_compiling():  # a plan read from data cannot live in a graph
         return None
@@ -42,6 +43,8 @@ def structure(inputs: Inputs) -> torch.Tensor | None:
     if isinstance(mask, masks.Mask):
         parts.append(mask.blocks(L, S, BLOCK_Q, BLOCK_K))
     elif mask is not None and mask.dtype == torch.bool:
+        if L <= BLOCK_Q:  # one query block (decoding, short texts): a scan of the
+            return None  # tensor costs more than the keys it could skip; decided from L
         parts.append(_tensor_blocks(mask))
     elif mask is not None:
         return None  # additive float mask: no structure we can read cheaply
