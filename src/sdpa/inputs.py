@@ -107,21 +107,31 @@ def _own_torch_function(t: torch.Tensor) -> bool:
     return getattr(impl, "__func__", impl) not in _PLAIN_TORCH_FUNCTIONS
 
 
+def _check_readable(name: str, t: torch.Tensor, what_works: str) -> None:
+    """Refuse, by name, a tensor whose storage is not its meaning: a nested tensor, or a
+    subclass with its own __torch_function__."""
+    if t.is_nested:
+        kind = "a nested tensor"
+    elif _own_torch_function(t):
+        kind = f"a {type(t).__name__}, a tensor subclass with its own __torch_function__"
+    else:
+        return
+    raise SdpaTypeError(
+        f"{name} is {kind}: sdpa would read its storage, not its meaning. {what_works}"
+    )
+
+
 def _check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise SdpaTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_nested:
-        raise SdpaTypeError(
-            f"{name} is a nested tensor; sdpa.attention takes dense tensors (pad them and "
-            f"pass a key-padding mask, sdpa.masks.padding(lengths)); the drop-in "
-            f"sdpa.scaled_dot_product_attention takes nested tensors where torch does"
-        )
-    if _own_torch_function(t):
-        raise SdpaTypeError(
-            f"{name} is a {type(t).__name__}, a tensor subclass with its own "
-            f"__torch_function__: sdpa would read its storage, not its meaning. Pass a "
-            f"plain tensor (t.as_subclass(torch.Tensor) if its storage is what you mean)"
-        )
+    _check_readable(
+        name,
+        t,
+        "sdpa.attention takes dense tensors (pad them and pass a key-padding mask, "
+        "sdpa.masks.padding(lengths)); the drop-in sdpa.scaled_dot_product_attention takes "
+        "nested tensors where torch does. Pass a plain tensor "
+        "(t.as_subclass(torch.Tensor) if a subclass's storage is what you mean)",
+    )
     if t.ndim < 2:
         raise SdpaValueError(
             f"{name} must have at least 2 dims (..., length, features), got shape {_shape(t)}"
@@ -220,17 +230,12 @@ def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
     if is_causal_bias(mask):
         top_left = mask.variant.name == "UPPER_LEFT"  # else LOWER_RIGHT
         return masks.causal("top-left" if top_left else "bottom-right")
-    if mask.is_nested or _own_torch_function(mask):
-        kind = (
-            "a nested tensor"
-            if mask.is_nested
-            else (f"a {type(mask).__name__}, a tensor subclass with its own __torch_function__")
-        )
-        raise SdpaTypeError(
-            f"mask is {kind}: sdpa would read its storage, not its meaning. Pass a plain "
-            f"bool or float tensor, an sdpa.masks object, or torch's "
-            f"causal_upper_left / causal_lower_right (mapped to sdpa.masks.causal)"
-        )
+    _check_readable(
+        "mask",
+        mask,
+        "Pass a plain bool or float tensor, an sdpa.masks object, or torch's "
+        "causal_upper_left / causal_lower_right (mapped to sdpa.masks.causal)",
+    )
     return mask
 
 

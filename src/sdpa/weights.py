@@ -163,7 +163,9 @@ class AttentionWeights:
             return t if rows is None else t[:, :, rows]
 
         heads, rows_ = _as_slice(head_idx), _as_slice(q_idx)
-        k = _key_heads(pick(i.key, None, None), i.query.shape[1], heads)  # (B', Hkv', S, E)
+        k = _key_heads(
+            pick(i.key, None, None), i.query.shape[1], i.group, heads
+        )  # (B', Hkv', S, E)
         q_pos = torch.arange(L, device=i.query.device)[rows_]
         mask = i.mask
         if isinstance(mask, masks.Mask):  # materialise just the selected rows
@@ -257,9 +259,7 @@ class AttentionWeights:
         self._check_fresh()
         L = i.query.shape[2]
         if self._shape_only:
-            return self._zeros(L, k), torch.zeros(
-                (*i.lead, L, k), dtype=torch.long, device=self.device
-            )
+            return self._zeros(L, k), self._zeros(L, k, dtype=torch.long)
         with torch.no_grad(), no_autocast(self.device.type):
             values, indices = rows.topk(self._rows(), k)
         return values.reshape(*i.lead, L, k), indices.reshape(*i.lead, L, k)
@@ -271,10 +271,11 @@ class AttentionWeights:
         i = self._inputs
         return i.no_work or empty(i.query.shape[0]) or self.device.type == "meta"
 
-    def _zeros(self, *tail: int) -> torch.Tensor:
-        """Zeros (*lead, *tail) in the weights' dtype: the answer where nothing is seen
-        (on the meta device, a tensor of that shape)."""
-        return torch.zeros((*self._inputs.lead, *tail), dtype=self.dtype, device=self.device)
+    def _zeros(self, *tail: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Zeros (*lead, *tail), in the weights' dtype unless given: the answer where
+        nothing is seen (on the meta device, a tensor of that shape)."""
+        dtype = self.dtype if dtype is None else dtype
+        return torch.zeros((*self._inputs.lead, *tail), dtype=dtype, device=self.device)
 
     def _check_query_dim(self, dim: int, what: str) -> None:
         if dim not in (-2, len(self.shape) - 2):
@@ -347,11 +348,10 @@ class AttentionWeights:
         return lse - i.scale * (q * pk).sum(dim=-1)
 
 
-def _key_heads(k: torch.Tensor, Hq: int, heads: slice) -> torch.Tensor:
+def _key_heads(k: torch.Tensor, Hq: int, group: int, heads: slice) -> torch.Tensor:
     """The key heads that query heads `heads` use (query head h uses key head
-    h // (Hq // Hkv)): a view when the slice covers whole groups, else one key head per
-    selected query head."""
-    group = Hq // k.shape[1] if k.shape[1] else 1
+    h // group, Inputs.group): a view when the slice covers whole groups, else one key
+    head per selected query head."""
     start, stop, step = heads.indices(Hq)
     if group == 1:
         return k[:, heads]
