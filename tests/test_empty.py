@@ -68,7 +68,7 @@ def test_drop_in_is_torch_on_empty_shapes(gen, name, mask_kind):
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["auto", "fused", "reference"])
+@pytest.mark.parametrize("backend", ["auto", "fused", "chunked", "reference"])
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_attention_and_every_statistic_on_empty_shapes(gen, name, mask_kind, backend):

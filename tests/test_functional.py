@@ -12,7 +12,7 @@ from sdpa import listing
 from conftest import MASK_KINDS, make_inputs, randn
 from oracle import oracle
 
-BACKENDS = ["fused", "reference"]
+BACKENDS = ["fused", "chunked", "reference"]
 ATOL = 2e-5
 
 

@@ -215,7 +215,7 @@ def test_bad_dropout(qkv, p):
 def test_unknown_backend(qkv):
     refuses(
         ValueError,
-        r"backend must be 'auto' or one of \['fused', 'reference'\], got 'flash'",
+        r"backend must be 'auto' or one of \['chunked', 'fused', 'reference'\], got 'flash'",
         *qkv,
         backend="flash",
     )

@@ -165,3 +165,168 @@ def test_training_applies_attention_dropout(name, batch):
     a.sum().backward()
     for p in model.encoder.layer[0].attention.parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all()
+
+
+# --- the attention function against transformers' own paths, keyword by keyword ---
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+
+class Attn(torch.nn.Module):
+    """Stands in for a model's attention module: what the functions read from it."""
+
+    def __init__(self, **attrs):
+        super().__init__()
+        self.num_key_value_groups = 2
+        self.__dict__.update(attrs)
+
+
+def qkv(gen, B=2, H=4, L=7, S=7, D=8):
+    def t(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    return t(B, H, L, D), t(B, H // 2, S, D), t(B, H // 2, S, D)
+
+
+def test_default_name_has_no_sdpa_and_the_old_name_stays(name):
+    assert name == "lse_attention" and "sdpa" not in name
+    assert sdpa_hf._registered_as_ours("sdpa_lse")
+    with pytest.raises(sdpa.SdpaValueError, match="without 'sdpa'"):
+        sdpa_hf.register("my_sdpa")
+
+
+@pytest.mark.parametrize("module_causal", [True, False, None])
+@pytest.mark.parametrize("kwarg", [True, False, None])
+@pytest.mark.parametrize("L", [1, 7])
+def test_causality_is_decided_as_transformers_sdpa_decides(gen, module_causal, kwarg, L):
+    attrs = {} if module_causal is None else {"is_causal": module_causal}
+    module = Attn(**attrs)
+    q, k, v = qkv(gen, L=L, S=7)
+    ours = sdpa_hf.attention_forward(module, q, k, v, None, scaling=0.4, is_causal=kwarg)[0]
+    theirs = sdpa_attention_forward(module, q, k, v, None, scaling=0.4, is_causal=kwarg)[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_position_bias_as_transformers_sdpa_applies_it(gen, mask_kind, is_causal):
+    module = Attn(is_causal=is_causal)
+    q, k, v = qkv(gen)
+    bias = torch.randn(1, 4, 7, 7, generator=gen)
+    mask = {
+        "none": None,
+        "bool": torch.rand(2, 1, 7, 7, generator=gen) > 0.3,
+        "float": torch.randn(2, 1, 7, 7, generator=gen),
+    }[mask_kind]
+    if mask_kind == "bool":
+        mask[:, :, :, 0] = True  # eager-style finfo.min rows vs our -inf: keep rows alive
+    args = (module, q, k, v, mask)
+    ours = sdpa_hf.attention_forward(*args, scaling=0.4, position_bias=bias)[0]
+    theirs = sdpa_attention_forward(*args, scaling=0.4, position_bias=bias)[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_sinks_as_gpt_oss_eager_applies_them(gen):
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    q, k, v = qkv(gen)
+    module = Attn(sinks=torch.randn(4, generator=gen), training=False)
+    keep = torch.rand(2, 1, 7, 7, generator=gen) > 0.3
+    keep[..., 0] = True
+    additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    out, w = eager_attention_forward(module, q, k, v, additive, scaling=0.4)
+    ours, ours_w = sdpa_hf.attention_forward(
+        module, q, k, v, keep, scaling=0.4, s_aux=module.sinks, output_attentions=True
+    )
+    torch.testing.assert_close(ours, out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours_w, w, atol=1e-5, rtol=0)
+    assert (ours_w.sum(-1) < 1).all()  # the sink took its share
+
+
+def test_softcap_as_gemma2_eager_applies_it(gen):
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    q, k, v = qkv(gen)
+    q = q * 10  # scores well past the cap
+    module = Attn(training=False)
+    out, w = eager_attention_forward(module, q, k, v, None, scaling=0.4, softcap=3.0)
+    ours, ours_w = sdpa_hf.attention_forward(
+        module, q, k, v, None, scaling=0.4, softcap=3.0, is_causal=False, output_attentions=True
+    )
+    torch.testing.assert_close(ours, out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours_w, w, atol=1e-5, rtol=0)
+
+
+def test_unknown_keywords_are_refused_by_name(gen):
+    q, k, v = qkv(gen)
+    module = Attn(config=transformers.LlamaConfig())
+    with pytest.raises(sdpa.NotSupportedError, match=r"Attn \(llama\) passed window_bias=3"):
+        sdpa_hf.attention_forward(module, q, k, v, None, window_bias=3)
+    with pytest.raises(sdpa.NotSupportedError, match="head_mask=<tensor"):
+        sdpa_hf.attention_forward(module, q, k, v, None, head_mask=torch.ones(4))
+    sdpa_hf.attention_forward(module, q, k, v, None, head_mask=None, position_ids=None)
+
+
+def test_mask_function_keeps_causality_for_models_off_the_sdpa_path():
+    """nllb-moe's decoder modules say is_causal=False and transformers never runs the
+    family on its sdpa path: the mask must not be left out for it."""
+    from transformers import LlamaConfig, NllbMoeConfig
+
+    kwargs = dict(batch_size=1, q_length=5, kv_length=5, allow_is_causal_skip=True)
+    assert sdpa_hf.mask_function(config=LlamaConfig(), **kwargs) is None
+    import transformers.models.nllb_moe.modeling_nllb_moe  # noqa: F401
+
+    kept = sdpa_hf.mask_function(config=NllbMoeConfig(), **kwargs)
+    torch.testing.assert_close(kept[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def tiny(config_class, model_class, impl, **extra):
+    config = config_class(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return model_class._from_config(config, attn_implementation=impl).eval()
+
+
+def test_attentions_arrive_where_eager_gives_them(name):
+    """OPT calls the attention function without output_attentions; transformers'
+    output collector records the module's second output."""
+    from transformers import OPTConfig, OPTModel
+
+    ids = torch.tensor([[5, 6, 7, 8, 9], [1, 5, 6, 7, 8]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    outs = {}
+    for impl in (name, "eager"):
+        model = tiny(OPTConfig, OPTModel, impl, ffn_dim=64, word_embed_proj_dim=32)
+        with torch.no_grad():
+            outs[impl] = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    ours, eager = outs[name], outs["eager"]
+    assert len(ours.attentions) == len(eager.attentions) == 2
+    for a, b in zip(ours.attentions, eager.attentions, strict=True):
+        torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(a[1, :, 1:], b[1, :, 1:], atol=1e-5, rtol=0)
+
+
+def test_capture_finds_sub_models_on_sdpa(name, batch):
+    """A composite whose top level has no config on sdpa: its sub-model counts."""
+    wrapper = torch.nn.ModuleDict({"text": load(name)})
+    with sdpa_hf.capture(wrapper) as cap, torch.no_grad():
+        wrapper["text"](**batch)
+    assert len(cap.weights) == 6
+
+
+def test_lazy_variant_returns_handles(batch):
+    lazy = sdpa_hf.register(lazy_weights=True)
+    assert lazy == "lse_attention_lazy"
+    model = load(lazy)
+    with torch.no_grad():
+        out = model(**batch, output_attentions=True)
+    assert len(out.attentions) == 6 and all(
+        isinstance(a, sdpa.AttentionWeights) for a in out.attentions
+    )
+    eager = load("eager")
+    with torch.no_grad():
+        dense = eager(**batch, output_attentions=True).attentions
+    rows = valid_rows(batch, dense[2])
+    torch.testing.assert_close(out.attentions[2].full()[rows], dense[2][rows], atol=1e-5, rtol=0)

@@ -64,6 +64,8 @@ class Inputs(NamedTuple):
     scale: float
     dropout_p: float
     lead: tuple[int, ...]  # user-facing dims in front of (L, S)
+    softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) before the mask
+    sinks: torch.Tensor | None = None  # (B, Hq, L|1) sink logits, compute dtype
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -307,6 +309,9 @@ def normalize(
     query = _check_tensor("query", query)
     key = _check_tensor("key", key)
     value = _check_tensor("value", value)
+    mods = None
+    if isinstance(mask, masks.ScoreMod):  # softcap / sinks around a mask
+        mods, mask = mask, mask.mask
     mask = _check_mask_type(mask)
     check_flag("causal", causal)
     device = query.device
@@ -340,7 +345,36 @@ def normalize(
     v4 = _to_4d(value, batch, hkv, has_heads)
     if isinstance(mask, torch.Tensor):
         mask = _mask_to_4d(mask, batch, hq, has_heads, L, S)
-    return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead)
+    if mods is None:
+        return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead)
+    sinks = (
+        None if mods.sinks is None else _normalize_sinks(mods.sinks, query, lead, L, q4.shape[0])
+    )
+    return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead, mods.softcap, sinks)
+
+
+def _normalize_sinks(
+    sinks: torch.Tensor, query: torch.Tensor, lead: tuple[int, ...], L: int, B: int
+) -> torch.Tensor:
+    """Sink logits broadcasting to the weights' (*lead, L, 1) -> (B, Hq, L|1) in the
+    softmax precision (differentiable)."""
+    if sinks.device != query.device:
+        raise SdpaValueError(f"sinks are on {sinks.device} but query is on {query.device}")
+    target = (*lead, L, 1)
+    if sinks.ndim > len(target) or _broadcast_shape(_shape(sinks), target) != target:
+        raise SdpaValueError(
+            f"sinks of shape {_shape(sinks)} do not broadcast to {target} (..., Hq, L, 1), "
+            f"the extra column of the scores: pass (Hq, 1, 1) for one logit per head"
+        )
+    want = torch.float32 if query.dtype in HALF_DTYPES else query.dtype
+    rows = L if sinks.ndim >= 2 and sinks.shape[-2] != 1 else 1
+    sinks = sinks.expand(*lead, rows, 1).reshape(B, -1, rows)  # (B, Hq, L|1)
+    return sinks.to(want)
+
+
+def sink_rows(sinks: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """The sinks (B, H, L|1) of query rows `rows`: one logit per head serves every row."""
+    return sinks if sinks is None or sinks.shape[-1] == 1 else sinks[..., rows]
 
 
 def check_flag(name: str, flag: object) -> None:

@@ -393,3 +393,77 @@ def _block_min_max(ids: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tenso
     padded = torch.cat([ids, ids[:, -1:].expand(-1, n * b - N)], dim=-1)  # (Bm, n * b)
     padded = padded.view(ids.shape[0], n, b)  # (Bm, n, b)
     return padded.amin(dim=-1), padded.amax(dim=-1)
+
+
+class ScoreMod:
+    """A mask together with what else changes the softmax: a softcap on the scores and
+    per-head attention sinks. Pass it wherever a mask goes (`sdpa.attention(q, k, v,
+    sdpa.masks.sinks(logits, mask))`); build it with `softcap` and `sinks`, which nest.
+
+    With scores s_ij = scale * q_i . k_j:
+        softcap c:  s_ij -> c * tanh(s_ij / c), before the mask is applied (Gemma 2)
+        sinks z_i:  a virtual key with score z_i and value 0 in row i (one z per head,
+                    or per row), so p_ij = exp(s_ij - lse'_i), lse'_i = logaddexp(lse_i,
+                    z_i) and a row's weights sum to sigmoid(lse_i - z_i) < 1 (gpt-oss)
+    """
+
+    __slots__ = ("mask", "sinks", "softcap")
+
+    def __init__(
+        self,
+        mask: torch.Tensor | Mask | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ):
+        self.mask, self.softcap, self.sinks = mask, softcap, sinks
+
+    def __repr__(self) -> str:
+        sinks = None if self.sinks is None else f"tensor{tuple(self.sinks.shape)}"
+        return f"ScoreMod(mask={self.mask!r}, softcap={self.softcap}, sinks={sinks})"
+
+    def __and__(self, other: object) -> Mask:
+        raise SdpaTypeError(
+            "a ScoreMod (softcap / sinks) wraps a mask rather than combining with one: "
+            "combine the masks first, then wrap, e.g. sinks(z, causal() & padding(n))"
+        )
+
+    __or__ = __rand__ = __ror__ = __and__
+
+
+def _parts(mask: object) -> ScoreMod:
+    """mask as a ScoreMod (a plain mask is one with no softcap and no sinks)."""
+    return mask if isinstance(mask, ScoreMod) else ScoreMod(mask)
+
+
+def softcap(cap: float, mask: torch.Tensor | Mask | ScoreMod | None = None) -> ScoreMod:
+    """Scores squashed to (-cap, cap) before masking: s -> cap * tanh(s / cap).
+
+    mask: any mask (tensor, structured, or sinks(...)) applied after the cap.
+    """
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < float("inf"):
+        raise SdpaValueError(f"softcap must be a positive finite number, got {cap!r}")
+    inner = _parts(mask)
+    if inner.softcap is not None:
+        raise SdpaValueError(f"the mask already has softcap={inner.softcap}; give one softcap")
+    return ScoreMod(inner.mask, float(cap), inner.sinks)
+
+
+def sinks(logits: torch.Tensor, mask: torch.Tensor | Mask | ScoreMod | None = None) -> ScoreMod:
+    """Attention sinks: one more logit in each row's softmax denominator, whose key has
+    value 0 (it absorbs weight and adds nothing to the output).
+
+    logits: the extra score column, broadcasting to the weights' (..., Hq, L, 1):
+    (Hq, 1, 1) for one learned logit per head (gpt-oss), (B, Hq, L, 1) for one per row.
+    Differentiable: gradients flow to it.
+    mask: any mask (tensor, structured, or softcap(...)) for the real keys.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise SdpaTypeError(
+            f"sinks must be a floating tensor of logits broadcasting to (..., Hq, L, 1), "
+            f"e.g. (Hq, 1, 1) per head, got {got}"
+        )
+    inner = _parts(mask)
+    if inner.sinks is not None:
+        raise SdpaValueError("the mask already has sinks; give one sinks tensor")
+    return ScoreMod(inner.mask, inner.softcap, logits)

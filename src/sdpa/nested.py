@@ -82,8 +82,8 @@ def nested_attention(
     if attn_mask is not None:
         raise NotSupportedError(
             f"attn_mask is not supported with nested query/key/value, as in torch "
-            f"('Masks are not yet supported!'); got attn_mask of shape "
-            f"{tuple(attn_mask.shape)}. Each sequence already sees only its own keys; for "
+            f"('Masks are not yet supported!'); got attn_mask "
+            f"{_describe_mask(attn_mask)}. Each sequence already sees only its own keys; for "
             f"more, pad with .to_padded_tensor(0.0) and pass a dense mask, or "
             f"sdpa.masks.padding(lengths) & another sdpa.masks mask"
         )
@@ -319,3 +319,8 @@ def _check_sequences(query, key, value, is_causal) -> tuple[list[int], list[int]
                 f"differently otherwise), got L_b {lq} and S_b {lk}; {fix}"
             )
     return lq, lk
+
+
+def _describe_mask(mask: object) -> str:
+    shape = getattr(mask, "shape", None)
+    return f"of shape {tuple(shape)}" if shape is not None else repr(mask)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from sdpa import masks
+from sdpa.inputs import sink_rows
 
 LOG2E = 1.0 / math.log(2.0)
 # Rows whose |lse| exceeds this are recomputed by a plain log-softmax of their scores:
@@ -35,6 +36,7 @@ class Rows(NamedTuple):
     lse (B, H, n); mask (B|1, H|1, n, S) bool (True = takes part) or float (added), a
     structured mask (batch dim B, if any), or None; q_pos (n,): the rows' query
     positions among the L of the attention; causal: top-left causal masking on top.
+    softcap and sinks as in sdpa.masks.ScoreMod (lse includes the sinks).
     """
 
     q: torch.Tensor
@@ -46,6 +48,8 @@ class Rows(NamedTuple):
     L: int
     scale: float
     dtype: torch.dtype  # compute dtype: float32 for 16-bit inputs
+    softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) before the mask
+    sinks: torch.Tensor | None = None  # (B, H, n|1) sink logits, already inside lse
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -89,6 +93,7 @@ class Rows(NamedTuple):
             lse=self.lse[b : b + 1, heads, rows],
             mask=mask,
             q_pos=self.q_pos[rows],
+            sinks=None if self.sinks is None else sink_rows(self.sinks[b : b + 1, heads], rows),
         )
 
     def with_tensor_mask(self) -> Rows:
@@ -109,15 +114,16 @@ def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor
     Two ways to the same numbers, both ending in exp2 (~3x faster than exp on CPU):
     - fold: the LSE folded into one GEMM, [c*scale*q_i, -c*lse_i] . [k_j, 1] =
       c*(s_ij - lse_i), c = log2(e). Fastest; its rounding grows like eps * |lse|, so it
-      serves tiles whose |lse| <= FOLD_LSE_LIMIT.
+      serves tiles whose |lse| <= FOLD_LSE_LIMIT, without a softcap.
     - mirror: the scores rounded as the fused kernel rounds the ones its LSE sums,
       s = fl(q.k * scale) + bias, then s - lse first (exact near the large weights,
       where s ~ lse), then * c: the kernel's own precision, for three more passes.
-    Rows with |lse| > EXACT_LSE_LIMIT are recomputed as log_softmax of their scores.
+    Rows with |lse| > EXACT_LSE_LIMIT are recomputed as log_softmax of their scores
+    (with the sink in the denominator).
     """
     r = r.with_tensor_mask()
     additive = r.mask is not None and r.mask.dtype != torch.bool
-    if not (r.lse.abs() > FOLD_LSE_LIMIT).any():
+    if r.softcap is None and not (r.lse.abs() > FOLD_LSE_LIMIT).any():
         cd = r.dtype
         k = r.k.to(cd)
         q_aug = torch.cat(
@@ -129,13 +135,20 @@ def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor
             t.add_(r.mask, alpha=LOG2E)
         return _exclude(t, r)
     t = _grouped_scores(r.q.to(r.dtype), r.k.to(r.dtype), out).mul_(r.scale)  # (B, H, n, S)
+    if r.softcap is not None:
+        t.div_(r.softcap).tanh_().mul_(r.softcap)
     if additive:
         t.add_(r.mask)
     inexact = r.lse.abs() > EXACT_LSE_LIMIT  # (B, H, n)
     exact = None
     if inexact.any():
-        exact = torch.log_softmax(_exclude(t.clone(), r), dim=-1).mul_(LOG2E)
-        exact.nan_to_num_(nan=-torch.inf)  # rows that see no key
+        exact = _exclude(t.clone(), r)
+        if r.sinks is not None:  # the sink's column in the denominator
+            column = r.sinks[..., None].to(exact.dtype).expand(*exact.shape[:-1], 1)
+            exact = torch.log_softmax(torch.cat([exact, column], dim=-1), dim=-1)[..., :-1]
+        else:  # (log_softmax subtracts the row max first: exact where s ~ big bias)
+            exact = torch.log_softmax(exact, dim=-1)
+        exact.mul_(LOG2E).nan_to_num_(nan=-torch.inf)  # rows that see no key
     t.sub_(r.lse[..., None].to(r.dtype)).mul_(LOG2E)
     _exclude(t, r)
     if exact is not None:

@@ -184,6 +184,12 @@ class AttentionWeights:
             L,
             i.scale,
             i.compute_dtype,
+            i.softcap,
+            None
+            if i.sinks is None
+            else pick(
+                i.sinks.detach(), heads, None if i.sinks.shape[-1] == 1 else rows_
+            ),  # (B', H', n|1)
         )
         with torch.no_grad(), no_autocast(self.device.type):
             p = rows.dense(selection)  # (B', H', n, S)
@@ -288,9 +294,11 @@ class AttentionWeights:
         i = self._inputs
         L = i.query.shape[-2]
         q_pos = torch.arange(L, device=i.query.device)
+        sinks = None if i.sinks is None else i.sinks.detach()
         return rows.Rows(
-            i.query, i.key, self._lse, i.mask, q_pos, i.causal, L, i.scale, i.compute_dtype
-        )
+            i.query, i.key, self._lse, i.mask, q_pos, i.causal, L, i.scale, i.compute_dtype,
+            i.softcap, sinks,
+        )  # fmt: skip
 
     def _kernel_args(self) -> tuple | None:
         """(q, k, mask tensor or None, causal) for the Triton kernels, or None where they
@@ -298,6 +306,8 @@ class AttentionWeights:
         size, or a structured mask too large to materialise."""
         i = self._inputs
         if self.device.type not in KERNEL_DEVICES or kernels.unsupported(i.query, i.key):
+            return None
+        if i.softcap is not None or i.sinks is not None:  # the kernels score plain q . k
             return None
         mask, causal = i.mask, i.causal
         L, S = i.query.shape[2], i.key.shape[2]
@@ -335,11 +345,12 @@ class AttentionWeights:
 
     def _entropy_fused(self) -> torch.Tensor | None:
         """H_i = lse_i - scale * q_i . (P K)_i with one fused call (keys as values); None
-        where the fused kernel can't serve or an additive mask needs sum_j p_ij b_ij."""
+        where the fused kernel can't serve, an additive mask needs sum_j p_ij b_ij, or a
+        softcap or sinks break the identity."""
         i = self._inputs
         additive = isinstance(i.mask, torch.Tensor) and i.mask.dtype != torch.bool
-        if self._fused is None or additive:
-            return None
+        if self._fused is None or additive or i.softcap is not None or i.sinks is not None:
+            return None  # the identity needs rows summing to 1 and sum_j p_ij s_ij = q . PK
         q, k = i.query.to(i.compute_dtype), i.key.to(i.compute_dtype)
         ran = self._fused(i._replace(query=q, key=k, value=k, dropout_p=0.0))
         if ran is None:

@@ -1,18 +1,21 @@
 """Backend registry: `select(inputs, name)` picks who runs an attention call.
 
-"auto" takes the first backend in `PRIORITY` that supports the inputs; an explicit
+"auto" takes the first backend in `PRIORITY` that supports the inputs (fused: torch's
+kernels; chunked: the reference math in row chunks, for softcap and gradients of float
+masks; reference: everything, dropout on CPU included); an explicit
 name never falls back, and when nothing fits the error lists every backend's reasons.
 """
 
 from __future__ import annotations
 
 from sdpa.backends.base import Backend, NotSupportedError
+from sdpa.backends.chunked import Chunked
 from sdpa.backends.fused import Fused
 from sdpa.backends.reference import Reference
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs
 
-PRIORITY: tuple[Backend, ...] = (Fused(), Reference())
+PRIORITY: tuple[Backend, ...] = (Fused(), Chunked(), Reference())
 BACKENDS: dict[str, Backend] = {b.name: b for b in PRIORITY}
 
 

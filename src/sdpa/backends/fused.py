@@ -8,7 +8,8 @@ changes no score and no output column) and the output sliced back. Its backward 
 registered, so autograd works through it. On CUDA, `sdpa.backends.cuda` runs the
 flash / memory-efficient / cuDNN op torch itself would pick (head sizes padded to a
 multiple of 8, as torch pads them). `_KERNELS` is keyed by device type; block skipping
-works the same on every device.
+works the same on every device. Attention sinks (`sdpa.masks.sinks`) correct each
+call's output and LSE exactly (`_add_sinks`); a softcap cannot run here.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from sdpa import masks
 from sdpa.backends import blocks, cuda
 from sdpa.backends.base import Backend
 from sdpa.backends.reference import Reference
-from sdpa.inputs import HALF_DTYPES, Inputs
+from sdpa.inputs import Inputs, sink_rows
 
 # torch's own Python binding is ~1.5 us faster per call than torch.ops dispatch
 _cpu_op = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None) or (
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 )
+_cpu_backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -42,12 +44,62 @@ def _cpu_kernel(
     mask: torch.Tensor | None,
     causal: bool,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _cpu_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    if sinks is None:
+        return _cpu_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return _CpuSinks.apply(q, k, v, mask, causal, scale, sinks)
+
+
+def _add_sinks(out, lse, sinks):
+    """A sink logit z per (batch, head) is a key with score z and value 0: it adds e^z
+    to each row's softmax denominator, so lse' = logaddexp(lse, z) and the output
+    shrinks by e^(lse - lse') = sigmoid(lse - z)."""
+    lse_s = torch.logaddexp(lse, sinks)  # (B, Hq, L)
+    return out * torch.exp(lse - lse_s)[..., None].to(out.dtype), lse_s
+
+
+class _CpuSinks(torch.autograd.Function):
+    """torch's CPU flash kernel with sinks, differentiable in q, k, v and the sinks.
+
+    Backward: the kernel's own backward given the sink-corrected out' and lse' is exact,
+    because the sink's value is 0 (it adds nothing to dP and D_i = dO_i . out'_i); the
+    sink's gradient is -sum_i p_sink_i D_i, p_sink_i = exp(z - lse'_i)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale, sinks):
+        out, lse = _cpu_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        out, lse = _add_sinks(out, lse, sinks.detach())
+        ctx.save_for_backward(q, k, v, mask, out, lse, sinks)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, mask, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = _cpu_backward_op(
+            dout, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale
+        )
+        dsinks = None
+        if ctx.needs_input_grad[6]:
+            D = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, Hq, L)
+            dsinks = -(torch.exp(sinks - lse) * D)  # (B, Hq, L)
+            if sinks.shape[-1] == 1:  # one logit per head
+                dsinks = dsinks.sum(-1, keepdim=True)  # (B, Hq, 1)
+        return dq, dk, dv, None, None, None, dsinks
+
+
+def _cuda_kernel(q, k, v, mask, causal, scale, sinks=None):
+    """cuda.kernel, with sinks applied to its result (not_supported_reasons keeps
+    gradients away: they would miss the LSE's share)."""
+    out, lse = cuda.kernel(q, k, v, mask, causal, scale)
+    return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
 
 
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_KERNELS: dict[str, Kernel] = {"cpu": _cpu_kernel, "cuda": cuda.kernel}
+_KERNELS: dict[str, Kernel] = {"cpu": _cpu_kernel, "cuda": _cuda_kernel}
 _HEAD_ALIGN = {"cuda": cuda.HEAD_ALIGN}  # head sizes the device's kernels take
 
 
@@ -76,15 +128,18 @@ def _run_pieces(
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for p in pieces:
         qp = q[p.batch, :, p.q0 : p.q1]  # (b, Hq, r, D)
-        if p.k1 == p.k0:  # sees no key: output 0, lse 0
+        if p.k1 == p.k0:  # sees no key: output 0, lse 0 (before any sink)
             out = qp.new_zeros(*qp.shape[:-1], v.shape[-1])
-            lse = qp.new_zeros(
-                qp.shape[:-1], dtype=torch.float32 if q.dtype in HALF_DTYPES else q.dtype
-            )
+            lse = qp.new_zeros(qp.shape[:-1], dtype=inputs.compute_dtype)
+            sinks = sink_rows(inputs.sinks, slice(p.q0, p.q1))
+            if sinks is not None:
+                lse = torch.logaddexp(lse, sinks[p.batch].detach())
         else:
             mask = blocks.additive(blocks.keep(inputs, p), q.dtype) if p.masked else None
             kp, vp = k[p.batch, :, p.k0 : p.k1], v[p.batch, :, p.k0 : p.k1]
-            out, lse = kernel(qp, kp, vp, mask, False, inputs.scale)
+            sinks = sink_rows(inputs.sinks, slice(p.q0, p.q1))
+            sinks = None if sinks is None else sinks[p.batch]
+            out, lse = kernel(qp, kp, vp, mask, False, inputs.scale, sinks)
         groups.setdefault((p.batch.start, p.batch.stop), []).append((out, lse))
     outs = [torch.cat([o for o, _ in g], dim=2) for g in groups.values()]  # along queries
     lses = [torch.cat([s for _, s in g], dim=2) for g in groups.values()]
@@ -121,6 +176,22 @@ class Fused(Backend):
                 f"dropout_p={inputs.dropout_p} > 0 on {device} (the fused path runs without "
                 f"dropout; the reference backend applies it)"
             )
+        if inputs.softcap is not None:
+            reasons.append(
+                f"softcap={inputs.softcap} (torch's fused kernels cannot cap the scores; the "
+                f"chunked backend applies it tile by tile)"
+            )
+        sinks = inputs.sinks
+        if (
+            sinks is not None
+            and device != "cpu"
+            and torch.is_grad_enabled()
+            and (sinks.requires_grad or any(t.requires_grad for t in inputs[:3]))
+        ):
+            reasons.append(
+                f"sinks with gradients on {device} (the sink correction is differentiated "
+                f"through the kernel's backward on CPU only)"
+            )
         mask = inputs.mask
         if isinstance(mask, torch.Tensor) and mask.requires_grad and torch.is_grad_enabled():
             reasons.append(
@@ -139,7 +210,7 @@ class Fused(Backend):
         L, S = q.shape[2], k.shape[2]
         causal_only = mask is None and inputs.causal
         if causal_only or (isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S)):
-            out, lse = kernel(q, k, v, None, True, inputs.scale)  # the kernel's own causal
+            out, lse = kernel(q, k, v, None, True, inputs.scale, inputs.sinks)  # its own causal
             return out[..., :Ev], lse
         occ = blocks.structure(inputs)
         pieces = None if occ is None else blocks.plan(occ, L, S)
@@ -148,7 +219,7 @@ class Fused(Backend):
             if isinstance(mask, masks.Mask):
                 mask = _as_4d(mask.materialize(L, S, q.device, max_bytes=None))
             mask = blocks.additive(mask, q.dtype)
-            out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale)
+            out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
         else:
             out, lse = _run_pieces(inputs, pieces, q, k, v, kernel)
         return out[..., :Ev], lse

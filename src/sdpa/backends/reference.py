@@ -1,8 +1,10 @@
 """The listing's math in plain torch, with the documented edge semantics.
 
 Materialises the (B, Hq, L, S) scores. Excluded positions get -inf; rows that see no
-key give output 0 (and LSE 0, the fused kernel's convention); 16-bit inputs take
-their softmax in float32. Differentiable, and the only backend with dropout on CPU.
+key give output 0 (and LSE 0, the fused kernel's convention; with sinks,
+logaddexp(0, sink)); 16-bit inputs take their softmax in float32. Softcap and sinks
+(`sdpa.masks.ScoreMod`) are applied as written there. Differentiable, and the only
+backend with dropout on CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Reference(Backend):
             k = k.repeat_interleave(group, dim=1)  # (B, Hq, S, E)
             v = v.repeat_interleave(group, dim=1)  # (B, Hq, S, Ev)
         scores = torch.matmul(q.to(cd), k.to(cd).transpose(-2, -1)) * inputs.scale  # (B,Hq,L,S)
+        if inputs.softcap is not None:
+            scores = torch.tanh(scores / inputs.softcap) * inputs.softcap
         if inputs.causal:
             scores = scores.masked_fill(~causal_keep(*scores.shape[-2:], scores.device), -torch.inf)
         if mask is not None:
@@ -47,9 +51,18 @@ class Reference(Backend):
         with torch.no_grad():
             dead = (scores == -torch.inf).all(dim=-1, keepdim=True)  # (B, Hq, L, 1)
         scores = scores.masked_fill(dead, 0.0)  # keeps softmax and its gradient finite
-        p = torch.softmax(scores, dim=-1).masked_fill(dead, 0.0)  # (B, Hq, L, S)
+        sinks = inputs.sinks
+        if sinks is None:
+            p = torch.softmax(scores, dim=-1)  # (B, Hq, L, S)
+        else:  # a virtual key per head: score sinks[b, h], value 0
+            column = sinks[..., None].expand(*scores.shape[:-1], 1)  # (B, Hq, L, 1)
+            p = torch.softmax(torch.cat([scores.masked_fill(dead, -torch.inf), column], -1), -1)
+            p = p[..., :-1]  # (B, Hq, L, S)
+        p = p.masked_fill(dead, 0.0)
         with torch.no_grad():
             lse = torch.logsumexp(scores, dim=-1).masked_fill(dead.squeeze(-1), 0.0)  # (B,Hq,L)
+            if sinks is not None:  # a row that sees no key keeps lse 0 before the sink
+                lse = torch.logaddexp(lse, sinks.detach())
         if inputs.dropout_p > 0:
             p = F.dropout(p, inputs.dropout_p, training=True)
         out = torch.matmul(p, v.to(cd)).to(q.dtype)  # (B, Hq, L, Ev)

@@ -22,7 +22,7 @@ from sdpa.distributed import kernels, plan
 from sdpa.distributed.comm import Ring, RingError, mask_digest, valid_timeout
 from sdpa.distributed.layout import check_layout, runs
 from sdpa.distributed.weights import RingWeights
-from sdpa.errors import SdpaTypeError, SdpaValueError
+from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
 from sdpa.functional import AttentionResult
 from sdpa.inputs import HALF_DTYPES, _check_structured, normalize
 
@@ -183,6 +183,11 @@ def _header(query, key, value, mask, causal, scale, layout, timeout, world):
     normalised inputs)."""
     if not valid_timeout(timeout):
         raise SdpaValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(mask, masks.ScoreMod):
+        raise NotSupportedError(
+            f"ring_attention does not run softcap or attention sinks yet, got {mask!r}; "
+            f"use sdpa.attention on the gathered sequence"
+        )
     if mask is not None and not isinstance(mask, masks.Mask):
         raise SdpaTypeError(
             f"ring_attention takes a structured mask (sdpa.masks: padding, documents, "

@@ -1,38 +1,74 @@
 """Hugging Face transformers on sdpa: fused speed, and the attentions when asked.
 
     import sdpa.integrations.transformers as sdpa_hf
-    name = sdpa_hf.register()                                  # "sdpa_lse"
+    name = sdpa_hf.register()                                  # "lse_attention"
     model = AutoModel.from_pretrained(path, attn_implementation=name)
     out = model(**batch, output_attentions=True)              # dense, from the LSE
     with sdpa_hf.capture(model) as cap:                       # lazy, no n^2 memory
         model(**batch)
     cap.weights[3].entropy()                                  # layer 3, per query
 
-`output_attentions=True` as a call argument returns dense attentions computed from the
-fused kernel's LSE (not by an eager fallback). transformers 5 refuses the config route
-(`config.output_attentions = True`, or `from_pretrained(..., output_attentions=True)`)
-for every implementation but "eager": its setter raises before any attention runs, so
-that route cannot reach us; use the call argument or `capture`.
+The dense attentions come wherever eager gives them: when the call passes
+`output_attentions=True` to the attention function, and when transformers' output
+collector is recording attentions (models that pop the flag or call the attention
+function without it, such as GPT-2, OPT or SigLIP). `register(lazy_weights=True)`
+registers a variant that returns the lazy AttentionWeights as every attention module's
+second output (for tools that read it, such as kvpress presses).
 
-Rows that see no key at all (a fully padded query under causal masking) get weights 0
-here; eager gives them uniform weights over the masked keys.
+What each model passes is honoured exactly as its eager path does: attention sinks
+(`s_aux`, `sinks`), `softcap`, relative-position bias (`position_bias`), top-k key
+`indices`; a keyword this function does not know raises, naming it and the model.
+Causality: where the mask function left the mask out, causal is decided as
+transformers' own sdpa path decides it (`is_causal`, else `module.is_causal`, default
+True; only for more than one query). For model families transformers does not run on
+its sdpa path (`_supports_sdpa = False`), the mask is always materialised, since their
+modules' `is_causal` is not kept for that path.
+
+The name has no "sdpa" in it: transformers gates every name containing "sdpa" on
+`_supports_sdpa`, which would refuse models this function runs. transformers 5 refuses
+the config route to attentions (`config.output_attentions = True`) for every
+implementation but "eager"; use the call argument or `capture`. Rows that see no key
+at all (a fully padded query under causal masking) get weights 0 here; eager gives
+them uniform weights over the masked keys.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import importlib
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from sdpa import masks
-from sdpa.errors import SdpaValueError
+from sdpa.errors import NotSupportedError, SdpaValueError
 from sdpa.functional import attention
 from sdpa.weights import AttentionWeights
 
-NAME = "sdpa_lse"
+NAME = "lse_attention"
+LAZY_NAME = "lse_attention_lazy"
+OLD_NAME = "sdpa_lse"  # before 0.2: transformers' sdpa gate refuses it for some models
+
+# Keywords that reach the attention function and carry nothing for it, reviewed
+# against every architecture in transformers' auto mappings (tests/test_model_zoo.py):
+# the call-level kwargs models pass down (transformers' TransformersKwargs), cache
+# bookkeeping, flash-attention varlen metadata and flags that eager ignores too
+# (packed sequences reach us through the mask), and the sliding window (already
+# inside the mask the mask function built).
+HARMLESS = frozenset(
+    {
+        "output_hidden_states", "output_router_logits", "num_items_in_batch", "seq_idx",
+        "position_ids", "cache_position", "past_key_values", "past_key_value", "use_cache",
+        "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "deterministic",
+        "target_dtype", "return_dict", "layer_idx", "sliding_window",
+        "encoder_hidden_states",
+    }
+)  # fmt: skip
+# Keywords that ask for nothing when None (or False) and are refused otherwise.
+ONLY_WHEN_EMPTY = frozenset({"head_mask", "layer_head_mask", "block_indices"})
 
 _capturing: contextvars.ContextVar[Capture | None] = contextvars.ContextVar(
     "sdpa_capture", default=None
@@ -46,6 +82,125 @@ class Capture:
     weights: list[AttentionWeights] = field(default_factory=list)
 
 
+def _model_name(module: torch.nn.Module) -> str:
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    return f"{type(module).__name__} ({model_type})" if model_type else type(module).__name__
+
+
+def _check_keywords(module: torch.nn.Module, kwargs: dict) -> None:
+    """Every keyword is honoured, harmless, or refused by name."""
+    for key, value in kwargs.items():
+        if key in HARMLESS or key == "output_attentions":
+            continue
+        if key in ONLY_WHEN_EMPTY and (value is None or value is False):
+            continue
+        raise NotSupportedError(
+            f"{_model_name(module)} passed {key}={_describe(value)} to the attention "
+            f"function, which {NAME!r} does not know how to honour; load this model with "
+            f"attn_implementation='eager' (and report it, naming the model)"
+        )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    return repr(value)
+
+
+def _attentions_wanted(kwargs: dict) -> bool:
+    """Whether this call's weights are asked for: the `output_attentions` keyword, or
+    transformers' output collector recording attentions (it hooks the attention
+    modules' second output, whatever the model passed down)."""
+    if kwargs.get("output_attentions"):
+        return True
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    recording = collector.get() if collector is not None else None
+    return bool(recording) and any("attentions" in key for key in recording)
+
+
+def _mask(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    is_causal: bool | None,
+    position_bias: torch.Tensor | None,
+    indices: torch.Tensor | None,
+) -> torch.Tensor | masks.Mask | None:
+    """The mask the model means, as transformers' sdpa path reads it."""
+    L, S = query.shape[2], key.shape[2]
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = L > 1 and attention_mask is None and bool(causal)
+    mask: torch.Tensor | masks.Mask | None = attention_mask
+    if causal:  # the mask function left causality to the kernel: top-left, as torch's
+        mask = masks.causal("top-left")
+    if indices is not None:  # top-k sparse attention: only the listed keys take part
+        keep = torch.zeros(*indices.shape[:-1], S, dtype=torch.bool, device=indices.device)
+        keep = keep.scatter(-1, indices.long(), True)[:, None]  # (B, 1, L, S)
+        mask = keep if mask is None else _and(mask, keep, L, S)
+    if position_bias is not None:  # an additive float bias, masked positions -inf
+        bias = position_bias.to(torch.float32 if query.dtype != torch.float64 else query.dtype)
+        if mask is None:
+            return bias
+        if isinstance(mask, masks.Mask):
+            mask = mask.materialize(L, S, query.device, max_bytes=None)
+        if mask.dtype == torch.bool:
+            return bias.masked_fill(~mask, -torch.inf)
+        return bias + mask
+    return mask
+
+
+def _and(mask: torch.Tensor | masks.Mask, keep: torch.Tensor, L: int, S: int):
+    """mask restricted to `keep` (bool, True = takes part)."""
+    if isinstance(mask, masks.Mask):
+        mask = mask.materialize(L, S, keep.device, max_bytes=None)
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, -torch.inf)
+
+
+def _sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None, query: torch.Tensor):
+    """Sink logits as sdpa.masks.sinks takes them, (..., Hq, L|1, 1): `s_aux` is one
+    logit per query head (gpt-oss), `sinks` the eager extra column (B, Hq, L, 1)."""
+    if s_aux is not None and sinks is not None:
+        raise SdpaValueError("the model passed both s_aux and sinks; expected one of them")
+    if s_aux is not None:
+        return s_aux.reshape(-1, 1, 1)  # (Hq, 1, 1)
+    return sinks
+
+
+def _run(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    position_bias: torch.Tensor | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    kwargs: dict,
+) -> tuple[torch.Tensor, AttentionWeights]:
+    """Output (B, L, H, D) and the lazy weights (B, H, L, S) of one attention call."""
+    _check_keywords(module, kwargs)
+    mask = _mask(module, query, key, attention_mask, is_causal, position_bias, indices)
+    if softcap is not None:
+        mask = masks.softcap(softcap, mask)
+    logits = _sinks(s_aux, sinks, query)
+    if logits is not None:
+        mask = masks.sinks(logits, mask)
+    out, weights = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)
+    active = _capturing.get()
+    if active is not None:
+        active.weights.append(weights)
+    return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -55,6 +210,11 @@ def attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention-function contract on sdpa.attention.
@@ -62,51 +222,137 @@ def attention_forward(
     query (B, H, L, D), key/value (B, Hkv, S, D) (grouped-query attention as is),
     attention_mask (B, 1, L, S) bool (True = takes part, from the registered mask
     function), float (added), or None -> output (B, L, H, D) and the dense weights
-    (B, H, L, S) when output_attentions=True, else None.
+    (B, H, L, S) when attentions are asked for (see the module docstring), else None.
     """
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        raise SdpaValueError(
-            f"the {NAME!r} attention has no softcap or position_bias; use 'eager' for this model"
-        )
-    is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-    mask: torch.Tensor | masks.Mask | None = attention_mask
-    if (
-        mask is None and is_causal and query.shape[2] > 1
-    ):  # no padding: the mask function left it to us
-        mask = masks.causal("top-left")  # transformers' (and torch's) alignment
-    out, weights = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)
-    active = _capturing.get()
-    if active is not None:
-        active.weights.append(weights)
-    dense = weights.full(max_bytes=None) if kwargs.get("output_attentions") else None
-    return out.transpose(1, 2).contiguous(), dense  # (B, L, H, D)
+    out, weights = _run(
+        module, query, key, value, attention_mask, dropout, scaling, is_causal,
+        position_bias, softcap, s_aux, sinks, indices, kwargs,
+    )  # fmt: skip
+    return out, weights.full(max_bytes=None) if _attentions_wanted(kwargs) else None
 
 
-def register(name: str = NAME) -> str:
-    """Register sdpa with transformers under `name` (attention and mask functions) and
-    return it, for `from_pretrained(..., attn_implementation=name)`."""
+def lazy_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, AttentionWeights]:
+    """attention_forward, returning the lazy AttentionWeights (B, H, L, S) as the second
+    output of every call (rows, sums and statistics in O(S) memory per query row)."""
+    return _run(
+        module, query, key, value, attention_mask, dropout, scaling, is_causal,
+        position_bias, softcap, s_aux, sinks, indices, kwargs,
+    )  # fmt: skip
+
+
+_OURS: tuple[Callable, ...] = (attention_forward, lazy_attention_forward)
+_SDPA_PATH_KEPT: dict[type, bool] = {}  # config class -> its models run on transformers' sdpa
+
+
+def _sdpa_path_kept(config: object) -> bool:
+    """Whether every model class of this config's family supports transformers' sdpa
+    path, so its attention modules keep `is_causal` right for an omitted mask."""
+    kind = type(config)
+    if kind not in _SDPA_PATH_KEPT:
+        from transformers import PreTrainedModel
+
+        try:  # the family's modeling module (already imported when a model runs)
+            modeling = importlib.import_module(
+                kind.__module__.replace(".configuration_", ".modeling_")
+            )
+        except ImportError:  # no such module: treat the family as off the sdpa path
+            modeling = None
+        classes = [
+            c
+            for c in vars(modeling).values()
+            if isinstance(c, type) and issubclass(c, PreTrainedModel)
+            and getattr(c, "config_class", None) is kind
+        ] if modeling is not None else []  # fmt: skip
+        _SDPA_PATH_KEPT[kind] = bool(classes) and all(c._supports_sdpa for c in classes)
+    return _SDPA_PATH_KEPT[kind]
+
+
+def mask_function(*args, config=None, **kwargs):
+    """transformers' sdpa_mask, except that for families whose models do not run on
+    transformers' sdpa path the mask is never left out (their modules' `is_causal` is
+    not kept for it)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if config is None or not _sdpa_path_kept(config):
+        kwargs["allow_is_causal_skip"] = False
+        kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
+def register(name: str | None = None, *, lazy_weights: bool = False) -> str:
+    """Register sdpa with transformers (attention and mask functions) and return the
+    name, for `from_pretrained(..., attn_implementation=name)`.
+
+    name: defaults to "lse_attention" ("lse_attention_lazy" with lazy_weights), which
+    also registers the old name "sdpa_lse" as an alias. Other names containing "sdpa"
+    are refused: transformers gates them as torch's SDPA.
+    lazy_weights: every attention module returns the lazy AttentionWeights as its
+    second output, instead of dense weights only when asked for.
+    """
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(name, attention_forward)
-    # without a mask function of the same name, padding would be silently ignored
-    AttentionMaskInterface.register(name, sdpa_mask)
+    if name is None:
+        name = LAZY_NAME if lazy_weights else NAME
+    if not isinstance(name, str) or not name or ("sdpa" in name and name != OLD_NAME):
+        raise SdpaValueError(
+            f"name must be a non-empty string without 'sdpa' (transformers treats such "
+            f"names as torch's SDPA and refuses models without SDPA support), got {name!r}"
+        )
+    names = [name, OLD_NAME] if name == NAME else [name]  # the old name stays an alias
+    for each in names:
+        forward = lazy_attention_forward if lazy_weights else attention_forward
+        AttentionInterface.register(each, forward)
+        # without a mask function of the same name, padding would be silently ignored
+        AttentionMaskInterface.register(each, mask_function)
     return name
+
+
+def _registered_as_ours(name: object) -> bool:
+    if not isinstance(name, str):
+        return False
+    from transformers import AttentionInterface
+
+    mapping = getattr(AttentionInterface, "_global_mapping", None)
+    return isinstance(mapping, dict) and mapping.get(name) in _OURS
+
+
+def _uses_ours(model: torch.nn.Module) -> bool:
+    """Whether the model or any sub-model runs on an sdpa attention function."""
+    configs = [getattr(m, "config", None) for m in model.modules()]
+    return any(_registered_as_ours(getattr(c, "_attn_implementation", None)) for c in configs)
 
 
 @contextlib.contextmanager
 def capture(model: torch.nn.Module) -> Iterator[Capture]:
     """Collect the lazy weights of every attention call made inside the block.
 
-    The model must run on sdpa (`attn_implementation=register()`). After a forward,
-    `.weights[i]` is layer i's AttentionWeights (B, H, L, S): rows, sums, entropy,
-    top-k of any layer without the dense L x S tensors.
+    The model (or, in a composite model, any sub-model) must run on sdpa
+    (`attn_implementation=register()`). After a forward, `.weights[i]` is the i-th
+    attention call's AttentionWeights (B, H, L, S): rows, sums, entropy, top-k of any
+    layer without the dense L x S tensors.
     """
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl != NAME and not _is_registered_as_ours(impl):
+    if not _uses_ours(model):
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise SdpaValueError(
-            f"capture needs a model on sdpa's attention, got attn_implementation={impl!r}; "
-            f"load it with attn_implementation=sdpa.integrations.transformers.register()"
+            f"capture needs a model on sdpa's attention, got attn_implementation={impl!r} "
+            f"for the model and every sub-model; load it with "
+            f"attn_implementation=sdpa.integrations.transformers.register()"
         )
     found = Capture()
     token = _capturing.set(found)
@@ -114,11 +360,3 @@ def capture(model: torch.nn.Module) -> Iterator[Capture]:
         yield found
     finally:
         _capturing.reset(token)
-
-
-def _is_registered_as_ours(name: str | None) -> bool:
-    if name is None:
-        return False
-    from transformers import AttentionInterface
-
-    return AttentionInterface._global_mapping.get(name) is attention_forward
