@@ -4,8 +4,10 @@ Serves what torch's fused kernels cannot compute, without the reference backend'
 (B, Hq, L, S) scores: a softcap on the scores (`sdpa.masks.softcap`), a float mask
 that needs its gradient, sinks with gradients off CPU. Each chunk of rows gets its own
 slice of the mask (causality and structured masks materialised for those rows only) and
-runs the reference math; the output and LSE are concatenated. With autograd on, each
-chunk's weights are kept for the backward, as the reference backend keeps them all.
+runs the reference math (without autograd, in place and with grouped-query heads folded
+into rows); under top-left causality a chunk reads only the keys its rows can see. The
+output and LSE are concatenated. With autograd on, each chunk's weights are kept for
+the backward, as the reference backend keeps them all.
 """
 
 from __future__ import annotations
@@ -22,27 +24,67 @@ _REFERENCE = Reference()
 _TOP_LEFT = masks.causal("top-left")
 
 
-def _rows_mask(inputs: Inputs, r0: int, r1: int) -> torch.Tensor | None:
-    """The mask of query rows r0:r1, causality included: (B|1, Hq|1, r, S), bool or
-    float."""
+def _rows_mask(inputs: Inputs, r0: int, r1: int, s1: int) -> torch.Tensor | None:
+    """The mask of query rows r0:r1 over keys :s1, causality included:
+    (B|1, Hq|1, r, s1), bool or float."""
     L, S = inputs.query.shape[2], inputs.key.shape[2]
     device = inputs.query.device
     mask = inputs.mask
     if isinstance(mask, masks.Mask) or inputs.causal:
         q_pos = torch.arange(r0, r1, device=device)
-        k_pos = torch.arange(S, device=device)
+        k_pos = torch.arange(s1, device=device)
     if isinstance(mask, masks.Mask):
-        mask = mask.keep(q_pos, k_pos, L, S)[:, None]  # (Bm, 1, r, S)
+        mask = mask.keep(q_pos, k_pos, L, S)[:, None]  # (Bm, 1, r, s1)
     elif mask is not None:
-        mask = mask[:, :, r0:r1]  # (B|1, Hq|1, r, S)
+        mask = mask[:, :, r0:r1, :s1]  # (B|1, Hq|1, r, s1)
     if not inputs.causal:
         return mask
-    keep = _TOP_LEFT.keep(q_pos, k_pos, L, S)[:, None]  # (1, 1, r, S)
+    keep = _TOP_LEFT.keep(q_pos, k_pos, L, S)[:, None]  # (1, 1, r, s1)
     if mask is None:
         return keep
     if mask.dtype == torch.bool:
         return mask & keep
     return mask.masked_fill(~keep, -torch.inf)
+
+
+def _keys_seen(inputs: Inputs, r1: int) -> int:
+    """How many leading keys rows < r1 can see: r1 under top-left causality (query p
+    sees keys j <= p), else all S. Decided from the mask's kind, no scan."""
+    L, S = inputs.query.shape[2], inputs.key.shape[2]
+    mask = inputs.mask
+    top_left = inputs.causal or (isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S))
+    return min(S, r1) if top_left else S
+
+
+def _math(q, k, v, mask, inputs: Inputs, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk without autograd, in place where it can be: q (B, Hq, r, E) in the
+    input dtype; k (B, Hkv, s, E), v (B, Hkv, s, Ev) already in the compute dtype."""
+    B, Hq, r, E = q.shape
+    Hkv, s, g = k.shape[1], k.shape[2], inputs.group
+    cd = k.dtype
+    folded = (q.to(cd) * inputs.scale).reshape(B, Hkv, g * r, E)  # heads into rows
+    scores = torch.matmul(folded, k.transpose(-2, -1)).view(B, Hq, r, s)
+    if inputs.softcap is not None:
+        scores.div_(inputs.softcap).tanh_().mul_(inputs.softcap)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, -torch.inf)
+        else:
+            scores.add_(mask)
+    top = scores.amax(dim=-1)  # (B, Hq, r); the row max first, as softmax does: exact
+    dead = torch.isneginf(top)  # rows that see no key  # where s ~ a huge finite bias
+    top.masked_fill_(dead, 0.0)
+    p = scores.sub_(top[..., None]).exp_()  # (B, Hq, r, s), unnormalised; 0 where excluded
+    total = p.sum(dim=-1)  # (B, Hq, r)
+    if sinks is not None:  # the sink's share of the denominator
+        total = total + torch.exp(sinks - top)
+    lse = top + torch.log(total)
+    lse.masked_fill_(dead, 0.0)  # (before the sink, the fused kernel's convention)
+    if sinks is not None:
+        lse = torch.where(dead, torch.logaddexp(torch.zeros_like(lse), sinks), lse)
+    p.div_(total.masked_fill_(total == 0, 1.0)[..., None])
+    out = torch.matmul(p.view(B, Hkv, g * r, s), v)  # (B, Hkv, g*r, Ev)
+    return out.view(B, Hq, r, v.shape[-1]).to(q.dtype), lse
 
 
 class Chunked(Backend):
@@ -54,20 +96,33 @@ class Chunked(Backend):
         return []
 
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        if inputs.no_work:  # 0 heads, queries or keys: zeros, differentiable
+            return _REFERENCE.forward(inputs)
         B, Hq, L, _ = inputs.query.shape
         S = inputs.key.shape[2]
         row_bytes = max(1, B * Hq * S) * 4 * 3  # scores, weights and a mask row, float32
         step = max(1, CHUNK_BYTES // row_bytes)
+        tensors = (inputs.query, inputs.key, inputs.value, inputs.mask, inputs.sinks)
+        grad = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+        )
+        cd = inputs.compute_dtype
+        k, v = (inputs.key, inputs.value) if grad else (inputs.key.to(cd), inputs.value.to(cd))
         outs, lses = [], []
-        for r0 in range(0, max(L, 1), step):
+        for r0 in range(0, L, step):
             r1 = min(L, r0 + step)
-            chunk = inputs._replace(
-                query=inputs.query[:, :, r0:r1],  # (B, Hq, r, E)
-                mask=_rows_mask(inputs, r0, r1) if L else None,
-                causal=False,
-                sinks=sink_rows(inputs.sinks, slice(r0, r1)),
-            )
-            out, lse = _REFERENCE.forward(chunk)
+            s1 = _keys_seen(inputs, r1)
+            mask = _rows_mask(inputs, r0, r1, s1)
+            sinks = sink_rows(inputs.sinks, slice(r0, r1))
+            q = inputs.query[:, :, r0:r1]  # (B, Hq, r, E)
+            if grad:  # the reference math, differentiable, on this chunk
+                chunk = inputs._replace(
+                    query=q, key=k[:, :, :s1], value=v[:, :, :s1], mask=mask, causal=False,
+                    sinks=sinks,
+                )  # fmt: skip
+                out, lse = _REFERENCE.forward(chunk)
+            else:
+                out, lse = _math(q, k[:, :, :s1], v[:, :, :s1], mask, inputs, sinks)
             outs.append(out)
             lses.append(lse)
         if len(outs) == 1:
