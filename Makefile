@@ -2,11 +2,17 @@
 # torch==2.13.0 first (a bare `torch` requirement could pull a multi-GB CUDA build),
 # then this package with the extras it needs (triton: the test suite runs the statistics
 # kernels under its interpreter; the wheel installs in seconds).
+# kvpress 0.5 pins transformers < 5.3, below the suite's: its tests and benchmark run in
+# a second environment, .venv-kvpress, made the same way (torch first), then kvpress
+# with its own pins, this package and pytest, nothing else.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH := torch==2.13.0
+KVENV := .venv-kvpress
+KVPY := $(KVENV)/bin/python
+KVPIP := $(KVPY) -m pip --disable-pip-version-check -q
 
 .PHONY: demo test lint bench clean
 
@@ -16,27 +22,39 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
-	$(PIP) install -e '.[dev,plot,hf,gpu]'
+	$(PIP) install -e '.[dev,plot,hf,gpu,viewers]'
+	touch $@
+
+$(KVENV)/.torch:
+	$(PYTHON) -m venv $(KVENV)
+	$(KVPIP) install $(TORCH)
+	touch $@
+
+$(KVENV)/.kvpress: $(KVENV)/.torch pyproject.toml
+	$(KVPIP) install -e '.[kvpress]' 'pytest>=8'
 	touch $@
 
 demo: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m sdpa demo
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev $(KVENV)/.kvpress
 	$(PY) -m ruff check src tests benchmarks scripts
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(KVPY) -m pytest -q -m kvpress tests/test_kvpress.py
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check src tests benchmarks scripts
 	$(PY) -m ruff format --check src tests benchmarks scripts
 
-bench: $(VENV)/.dev
+bench: $(VENV)/.dev $(KVENV)/.kvpress
 	$(PY) benchmarks/bench_core.py --json benchmarks/results/core.json
 	$(PY) benchmarks/bench_modules.py --json benchmarks/results/modules.json
 	$(PY) benchmarks/bench_weights.py --json benchmarks/results/weights.json
 	$(PY) benchmarks/bench_masks.py --json benchmarks/results/masks.json
+	$(PY) benchmarks/bench_score_mods.py --json benchmarks/results/score_mods.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_hf.py --json benchmarks/results/hf.json
 	$(PY) benchmarks/bench_ring.py --json benchmarks/results/ring.json
+	HF_HUB_OFFLINE=1 $(KVPY) benchmarks/bench_kvpress.py --json benchmarks/results/kvpress.json
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(KVENV) build src/*.egg-info .pytest_cache .ruff_cache

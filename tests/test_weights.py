@@ -530,3 +530,34 @@ def test_amax_refuses_the_query_dim(gen):
     q, k, v, _ = make_inputs(gen)
     with pytest.raises(ValueError, match=r"amax works over the keys, dim=-1 .* got dim=-2"):
         sdpa.attention(q, k, v).weights.amax(dim=-2)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "top-left", "padding", "decode"])
+def test_received_attention_comes_from_one_swapped_fused_call(gen, mask_kind):
+    """w.sum(dim=-2) on CPU: the LSE of an attention with queries and keys swapped (the
+    LSE folded into one more column), not L x S rebuilt scores; checked against the
+    chunked engine and the oracle, keys no query sees included."""
+    from sdpa import rows
+
+    L = 1 if mask_kind == "decode" else 70
+    S = 70 if mask_kind != "decode" else 130
+    q = torch.randn(2, 4, L, 16, generator=gen)
+    k = torch.randn(2, 2, S, 16, generator=gen)
+    keep = torch.rand(2, 1, 1, S, generator=gen) > 0.3
+    keep[1, ..., : S // 2] = False  # half the keys of batch 1: seen by no query
+    mask, causal = {
+        "none": (None, False),
+        "causal": (None, True),
+        "top-left": (masks.causal("top-left"), False),
+        "padding": (keep, False),
+        "decode": (keep, False),
+    }[mask_kind]
+    w = sdpa.attention(q, k, k, mask, causal=causal).weights
+    fused = w._received_fused()
+    assert fused is not None
+    dense = masks.causal("top-left").materialize(L, S) if mask_kind == "top-left" else mask
+    want = oracle(q, k, k, dense, causal=causal)[1].sum(-2)
+    torch.testing.assert_close(fused.double(), want, atol=1e-6, rtol=2e-6)
+    torch.testing.assert_close(fused, rows.key_sums(w._rows()), atol=1e-6, rtol=2e-6)
+    if mask_kind == "padding":
+        assert torch.all(fused[1, :, : S // 2] == 0)

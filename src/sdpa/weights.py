@@ -212,6 +212,8 @@ class AttentionWeights:
         with torch.no_grad(), no_autocast(self.device.type):
             sums = self._received_kernel()
             if sums is None:
+                sums = self._received_fused()
+            if sums is None:
                 sums = rows.key_sums(self._rows())
         return sums.reshape(*i.lead, i.key.shape[2])
 
@@ -342,6 +344,63 @@ class AttentionWeights:
 
         q, k, mask, causal = args
         return received(q, k, self._lse, mask, causal=causal, scale=self._inputs.scale)
+
+    def _received_fused(self) -> torch.Tensor | None:
+        """Attention received per key (B, Hq, S) from one fused call with queries and
+        keys swapped, or None where it does not apply.
+
+        sum_i p_ij = exp(log sum_i exp(s_ij - lse_i)): the LSE of an attention whose
+        queries are the keys. With the LSE folded into one more column,
+        scale * [k_j, 1] . [q_i, -lse_i / scale] = scale * q_i . k_j - lse_i, so the
+        swapped call needs no bias beyond the mask's transpose; under top-left causality
+        (key j is seen by queries i >= j) both sequences are reversed and the kernel
+        runs its own causal path. Serves where the fused kernel runs, without softcap
+        or sinks, with no mask, the top-left causal one (L == S) or a tensor mask that is
+        the same for every query (key padding: its transpose is one column, so nothing
+        L x S is allocated), and |lse| <= FOLD_LSE_LIMIT (the folded column then keeps
+        float32 error < 1e-5)."""
+        i = self._inputs
+        L, S = i.query.shape[2], i.key.shape[2]
+        mask, causal = i.mask, i.causal
+        if isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S):
+            mask, causal = None, True
+        per_key = mask is None or (  # key padding: the same row for every query
+            isinstance(mask, torch.Tensor) and (mask.shape[-2] == 1 or mask.stride(-2) == 0)
+        )
+        if (
+            self._fused is None
+            or not per_key
+            or (causal and (L != S or mask is not None))
+            or i.softcap is not None
+            or i.sinks is not None
+            or bool((self._lse.abs() > rows.FOLD_LSE_LIMIT).any())
+        ):
+            return None
+        cd = i.compute_dtype
+        k = i.key.to(cd).repeat_interleave(i.group, dim=1)  # (B, Hq, S, E)
+        swapped_q = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hq, S, E+1)
+        lse = (-self._lse / i.scale)[..., None].to(cd)  # (B, Hq, L, 1)
+        swapped_k = torch.cat([i.query.to(cd).expand(*lse.shape[:-1], -1), lse], dim=-1)
+        if causal:  # (B, Hq, L, E+1): reversed, key j sees swapped keys i >= j
+            swapped_q, swapped_k = swapped_q.flip(2), swapped_k.flip(2)
+        seen = None
+        if mask is not None:  # one row (B|1, Hq|1, 1, S), seen by the swapped queries
+            row = mask[..., :1, :]
+            seen = row[..., 0, :] if row.dtype == torch.bool else ~torch.isneginf(row[..., 0, :])
+            mask = row.transpose(-2, -1).expand(*row.shape[:-2], S, L)  # (B|1, Hq|1, S, L)
+        nothing = swapped_k.new_zeros(*swapped_k.shape[:-1], 1)  # only the LSE is read
+        ran = self._fused(
+            i._replace(
+                query=swapped_q, key=swapped_k, value=nothing, mask=mask, causal=causal,
+                dropout_p=0.0,
+            )
+        )  # fmt: skip
+        if ran is None:
+            return None
+        sums = ran[1].exp()  # (B, Hq, S)
+        if seen is not None:  # a key no query sees came back with the kernel's lse 0
+            sums = sums.masked_fill(~seen, 0.0)
+        return sums.flip(-1) if causal else sums
 
     def _entropy_fused(self) -> torch.Tensor | None:
         """H_i = lse_i - scale * q_i . (P K)_i with one fused call (keys as values); None
