@@ -267,9 +267,10 @@ def test_unknown_keywords_are_refused_by_name(gen):
     sdpa_hf.attention_forward(module, q, k, v, None, head_mask=None, position_ids=None)
 
 
-def test_mask_function_keeps_causality_for_models_off_the_sdpa_path():
+def test_mask_function_gives_eager_masks_to_models_off_the_sdpa_path():
     """nllb-moe's decoder modules say is_causal=False and transformers never runs the
-    family on its sdpa path: the mask must not be left out for it."""
+    family on its sdpa path: the mask must not be left out for it, and it is eager's
+    float mask, the one such code is written for."""
     from transformers import LlamaConfig, NllbMoeConfig
 
     kwargs = dict(batch_size=1, q_length=5, kv_length=5, allow_is_causal_skip=True)
@@ -277,7 +278,8 @@ def test_mask_function_keeps_causality_for_models_off_the_sdpa_path():
     import transformers.models.nllb_moe.modeling_nllb_moe  # noqa: F401
 
     kept = sdpa_hf.mask_function(config=NllbMoeConfig(), **kwargs)
-    torch.testing.assert_close(kept[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+    assert kept.dtype == torch.float32
+    torch.testing.assert_close(kept[0, 0] == 0, torch.ones(5, 5, dtype=torch.bool).tril())
 
 
 def tiny(config_class, model_class, impl, **extra):

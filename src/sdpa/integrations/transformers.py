@@ -21,8 +21,9 @@ What each model passes is honoured exactly as its eager path does: attention sin
 Causality: where the mask function left the mask out, causal is decided as
 transformers' own sdpa path decides it (`is_causal`, else `module.is_causal`, default
 True; only for more than one query). For model families transformers does not run on
-its sdpa path (`_supports_sdpa = False`), the mask is always materialised, since their
-modules' `is_causal` is not kept for that path.
+its sdpa path (`_supports_sdpa = False`), the mask function builds eager's float mask,
+the only one their code is written for (their modules' `is_causal` is not kept for an
+omitted mask, and some extend the mask with float blocks).
 
 The name has no "sdpa" in it: transformers gates every name containing "sdpa" on
 `_supports_sdpa`, which would refuse models this function runs. transformers 5 refuses
@@ -64,9 +65,13 @@ HARMLESS = frozenset(
         "position_ids", "cache_position", "past_key_values", "past_key_value", "use_cache",
         "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "deterministic",
         "target_dtype", "return_dict", "layer_idx", "sliding_window",
-        "encoder_hidden_states",
+        "encoder_hidden_states", "labels", "logits_to_keep",
     }
 )  # fmt: skip
+# Families whose eager attentions are the softmax *before* the sink (the sink scales
+# their output afterwards); elsewhere (gpt-oss, ...) eager's attentions include the
+# sink's share, as sdpa's weights do.
+ATTENTIONS_BEFORE_SINK = frozenset({"granite_swa", "granitemoe_swa"})
 # Keywords that ask for nothing when None (or False) and are refused otherwise.
 ONLY_WHEN_EMPTY = frozenset({"head_mask", "layer_head_mask", "block_indices"})
 
@@ -228,7 +233,18 @@ def attention_forward(
         module, query, key, value, attention_mask, dropout, scaling, is_causal,
         position_bias, softcap, s_aux, sinks, indices, kwargs,
     )  # fmt: skip
-    return out, weights.full(max_bytes=None) if _attentions_wanted(kwargs) else None
+    if not _attentions_wanted(kwargs):
+        return out, None
+    dense = weights.full(max_bytes=None)  # (B, H, L, S)
+    if s_aux is not None and _family(module) in ATTENTIONS_BEFORE_SINK:
+        dense = dense / dense.sum(-1, keepdim=True).clamp_min(torch.finfo(dense.dtype).tiny)
+    return out, dense
+
+
+def _family(module: torch.nn.Module) -> str:
+    """The transformers model family a module's class comes from ("granite_swa")."""
+    parts = type(module).__module__.split(".")  # transformers.models.<family>.modeling_x
+    return parts[-2] if len(parts) >= 2 else ""
 
 
 def lazy_attention_forward(
@@ -283,14 +299,15 @@ def _sdpa_path_kept(config: object) -> bool:
 
 
 def mask_function(*args, config=None, **kwargs):
-    """transformers' sdpa_mask, except that for families whose models do not run on
-    transformers' sdpa path the mask is never left out (their modules' `is_causal` is
-    not kept for it)."""
-    from transformers.masking_utils import sdpa_mask
+    """transformers' sdpa_mask (a bool mask, or None where causality or no mask at all
+    will do), except for families whose models do not run on transformers' sdpa path:
+    those get eager's float mask, the only one their code is written and tested for
+    (their modules' `is_causal` is not kept for an omitted mask, and some extend a
+    float mask with float blocks, as deepseek-v4's compressed keys do)."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
 
     if config is None or not _sdpa_path_kept(config):
-        kwargs["allow_is_causal_skip"] = False
-        kwargs["allow_is_bidirectional_skip"] = False
+        return eager_mask(*args, config=config, **kwargs)
     return sdpa_mask(*args, config=config, **kwargs)
 
 
