@@ -189,7 +189,7 @@ def main(
     chosen = [c for c in comparisons if args.only is None or args.only in c.case]
     env = environment()
     print(f"environment: {env}")
-    results = run(chosen, args.quick, memory=not args.no_memory, script=script)
+    results = run(chosen, args.quick, memory=not args.no_memory, script=[script])
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -62,7 +62,8 @@ OLD_NAME = "sdpa_lse"  # before 0.2: transformers' sdpa gate refuses it for some
 HARMLESS = frozenset(
     {
         "output_hidden_states", "output_router_logits", "num_items_in_batch", "seq_idx",
-        "position_ids", "cache_position", "past_key_values", "past_key_value", "use_cache",
+        "position_ids", "cache_position", "past_key_values", "past_key_value", "cache",
+        "use_cache",
         "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "deterministic",
         "target_dtype", "return_dict", "layer_idx", "sliding_window",
         "encoder_hidden_states", "labels", "logits_to_keep",
