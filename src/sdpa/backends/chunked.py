@@ -24,27 +24,37 @@ _REFERENCE = Reference()
 _TOP_LEFT = masks.causal("top-left")
 
 
-def _rows_mask(inputs: Inputs, r0: int, r1: int, s1: int) -> torch.Tensor | None:
-    """The mask of query rows r0:r1 over keys :s1, causality included:
-    (B|1, Hq|1, r, s1), bool or float."""
+def _rows_mask(inputs: Inputs, r0: int, r1: int, k0: int, k1: int) -> torch.Tensor | None:
+    """The mask of query rows r0:r1 over keys k0:k1, causality included:
+    (B|1, Hq|1, r, k1 - k0), bool or float."""
     L, S = inputs.query.shape[2], inputs.key.shape[2]
     device = inputs.query.device
     mask = inputs.mask
     if isinstance(mask, masks.Mask) or inputs.causal:
         q_pos = torch.arange(r0, r1, device=device)
-        k_pos = torch.arange(s1, device=device)
+        k_pos = torch.arange(k0, k1, device=device)
     if isinstance(mask, masks.Mask):
-        mask = mask.keep(q_pos, k_pos, L, S)[:, None]  # (Bm, 1, r, s1)
+        mask = mask.keep(q_pos, k_pos, L, S)[:, None]  # (Bm, 1, r, k)
     elif mask is not None:
-        mask = mask[:, :, r0:r1, :s1]  # (B|1, Hq|1, r, s1)
+        mask = mask[:, :, r0:r1, k0:k1]  # (B|1, Hq|1, r, k)
     if not inputs.causal:
         return mask
-    keep = _TOP_LEFT.keep(q_pos, k_pos, L, S)[:, None]  # (1, 1, r, s1)
+    keep = _TOP_LEFT.keep(q_pos, k_pos, L, S)[:, None]  # (1, 1, r, k)
     if mask is None:
         return keep
     if mask.dtype == torch.bool:
         return mask & keep
     return mask.masked_fill(~keep, -torch.inf)
+
+
+def _causal_only(inputs: Inputs) -> bool:
+    """Whether the only mask is top-left causality (then rows r0:r1 see every key
+    before r0: the mask is needed on keys r0:r1 only)."""
+    L, S = inputs.query.shape[2], inputs.key.shape[2]
+    mask = inputs.mask
+    if mask is None:
+        return inputs.causal
+    return isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S) and not inputs.causal
 
 
 def _keys_seen(inputs: Inputs, r1: int) -> int:
@@ -56,23 +66,28 @@ def _keys_seen(inputs: Inputs, r1: int) -> int:
     return min(S, r1) if top_left else S
 
 
-def _math(q, k, v, mask, inputs: Inputs, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+def _math(q, k, v, mask, k0, inputs: Inputs, sinks) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk without autograd, in place where it can be: q (B, Hq, r, E) in the
-    input dtype; k (B, Hkv, s, E), v (B, Hkv, s, Ev) already in the compute dtype."""
+    input dtype; k (B, Hkv, s, E), v (B, Hkv, s, Ev) already in the compute dtype; the
+    mask applies to keys k0:s (those before k0 are all visible)."""
     B, Hq, r, E = q.shape
     Hkv, s, g = k.shape[1], k.shape[2], inputs.group
-    cd = k.dtype
-    folded = (q.to(cd) * inputs.scale).reshape(B, Hkv, g * r, E)  # heads into rows
+    cd, cap = k.dtype, inputs.softcap
+    scale = inputs.scale if cap is None else inputs.scale / cap  # the cap's 1/c folded in
+    folded = (q.to(cd) * scale).reshape(B, Hkv, g * r, E)  # heads into rows
     scores = torch.matmul(folded, k.transpose(-2, -1)).view(B, Hq, r, s)
-    if inputs.softcap is not None:
-        scores.div_(inputs.softcap).tanh_().mul_(inputs.softcap)
+    if cap is not None:
+        scores.tanh_().mul_(cap)
     if mask is not None:
+        masked = scores[..., k0:]  # (B, Hq, r, s - k0), a view
         if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, -torch.inf)
+            masked.masked_fill_(mask.logical_not(), -torch.inf)
         else:
-            scores.add_(mask)
-    top = scores.amax(dim=-1)  # (B, Hq, r); the row max first, as softmax does: exact
-    dead = torch.isneginf(top)  # rows that see no key  # where s ~ a huge finite bias
+            masked.add_(mask)
+    # softmax by hand, for the LSE too (torch.logsumexp is ~4x a softmax on CPU); the
+    # row max first, so scores under a huge finite bias stay exact
+    top = scores.amax(dim=-1)  # (B, Hq, r)
+    dead = torch.isneginf(top)  # rows that see no key
     top.masked_fill_(dead, 0.0)
     p = scores.sub_(top[..., None]).exp_()  # (B, Hq, r, s), unnormalised; 0 where excluded
     total = p.sum(dim=-1)  # (B, Hq, r)
@@ -108,11 +123,13 @@ class Chunked(Backend):
         )
         cd = inputs.compute_dtype
         k, v = (inputs.key, inputs.value) if grad else (inputs.key.to(cd), inputs.value.to(cd))
+        diagonal = not grad and _causal_only(inputs)
         outs, lses = [], []
         for r0 in range(0, L, step):
             r1 = min(L, r0 + step)
             s1 = _keys_seen(inputs, r1)
-            mask = _rows_mask(inputs, r0, r1, s1)
+            k0 = min(r0, s1) if diagonal else 0  # keys before k0: all visible
+            mask = _rows_mask(inputs, r0, r1, k0, s1)
             sinks = sink_rows(inputs.sinks, slice(r0, r1))
             q = inputs.query[:, :, r0:r1]  # (B, Hq, r, E)
             if grad:  # the reference math, differentiable, on this chunk
@@ -122,7 +139,7 @@ class Chunked(Backend):
                 )  # fmt: skip
                 out, lse = _REFERENCE.forward(chunk)
             else:
-                out, lse = _math(q, k[:, :, :s1], v[:, :, :s1], mask, inputs, sinks)
+                out, lse = _math(q, k[:, :, :s1], v[:, :, :s1], mask, k0, inputs, sinks)
             outs.append(out)
             lses.append(lse)
         if len(outs) == 1:
