@@ -55,10 +55,11 @@ OLD_NAME = "sdpa_lse"  # before 0.2: transformers' sdpa gate refuses it for some
 
 # Keywords that reach the attention function and carry nothing for it, reviewed
 # against every architecture in transformers' auto mappings (tests/test_model_zoo.py):
-# the call-level kwargs models pass down (transformers' TransformersKwargs), cache
-# bookkeeping, flash-attention varlen metadata and flags that eager ignores too
-# (packed sequences reach us through the mask), and the sliding window (already
-# inside the mask the mask function built).
+# the call-level kwargs models pass down (transformers' TransformersKwargs, input ids,
+# labels), cache bookkeeping, flash-attention varlen metadata and flags that eager
+# ignores too (packed sequences and images reach us through the mask), the sliding
+# window (already inside the mask the mask function built), and rotary tables already
+# applied to q and k.
 HARMLESS = frozenset(
     {
         "output_hidden_states", "output_router_logits", "num_items_in_batch", "seq_idx",
@@ -66,7 +67,8 @@ HARMLESS = frozenset(
         "use_cache",
         "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "deterministic",
         "target_dtype", "return_dict", "layer_idx", "sliding_window",
-        "encoder_hidden_states", "labels", "logits_to_keep",
+        "encoder_hidden_states", "labels", "logits_to_keep", "input_ids",
+        "position_embeddings", "grid_thw",
     }
 )  # fmt: skip
 # Families whose eager attentions are the softmax *before* the sink (the sink scales
