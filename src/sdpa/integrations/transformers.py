@@ -184,17 +184,18 @@ def _run(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    dropout: float,
-    scaling: float | None,
-    is_causal: bool | None,
-    position_bias: torch.Tensor | None,
-    softcap: float | None,
-    s_aux: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    indices: torch.Tensor | None,
-    kwargs: dict,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, AttentionWeights]:
-    """Output (B, L, H, D) and the lazy weights (B, H, L, S) of one attention call."""
+    """Output (B, L, H, D) and the lazy weights (B, H, L, S) of one attention call: what
+    both registered functions take, each keyword honoured or checked."""
     _check_keywords(module, kwargs)
     mask = _mask(module, query, key, attention_mask, is_causal, position_bias, indices)
     if softcap is not None:
@@ -215,31 +216,23 @@ def attention_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    position_bias: torch.Tensor | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    indices: torch.Tensor | None = None,
+    *args,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention-function contract on sdpa.attention.
 
     query (B, H, L, D), key/value (B, Hkv, S, D) (grouped-query attention as is),
     attention_mask (B, 1, L, S) bool (True = takes part, from the registered mask
-    function), float (added), or None -> output (B, L, H, D) and the dense weights
-    (B, H, L, S) when attentions are asked for (see the module docstring), else None.
+    function), float (added), or None; then dropout, scaling, is_causal, position_bias,
+    softcap, s_aux, sinks, indices and the keywords in HARMLESS -> output (B, L, H, D)
+    and the dense weights (B, H, L, S) when attentions are asked for (see the module
+    docstring), else None.
     """
-    out, weights = _run(
-        module, query, key, value, attention_mask, dropout, scaling, is_causal,
-        position_bias, softcap, s_aux, sinks, indices, kwargs,
-    )  # fmt: skip
+    out, weights = _run(module, query, key, value, attention_mask, *args, **kwargs)
     if not _attentions_wanted(kwargs):
         return out, None
     dense = weights.full(max_bytes=None)  # (B, H, L, S)
-    if s_aux is not None and _family(module) in ATTENTIONS_BEFORE_SINK:
+    if kwargs.get("s_aux") is not None and _family(module) in ATTENTIONS_BEFORE_SINK:
         dense = dense / dense.sum(-1, keepdim=True).clamp_min(torch.finfo(dense.dtype).tiny)
     return out, dense
 
@@ -256,22 +249,12 @@ def lazy_attention_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    position_bias: torch.Tensor | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    indices: torch.Tensor | None = None,
+    *args,
     **kwargs,
 ) -> tuple[torch.Tensor, AttentionWeights]:
     """attention_forward, returning the lazy AttentionWeights (B, H, L, S) as the second
     output of every call (rows, sums and statistics in O(S) memory per query row)."""
-    return _run(
-        module, query, key, value, attention_mask, dropout, scaling, is_causal,
-        position_bias, softcap, s_aux, sinks, indices, kwargs,
-    )  # fmt: skip
+    return _run(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 _OURS: tuple[Callable, ...] = (attention_forward, lazy_attention_forward)
