@@ -66,8 +66,9 @@ def attention(
     are float32 for 16-bit inputs. Under torch.autocast the inputs are cast as torch's
     own scaled_dot_product_attention casts them.
 
-    backend: "auto" (the first that supports the inputs: fused, then reference),
-    "fused" or "reference"; an explicit backend that cannot run raises, naming why.
+    backend: "auto" (the first that supports the inputs: fused, chunked, reference),
+    "fused", "chunked" or "reference"; an explicit backend that cannot run raises,
+    naming why. mask may also be sdpa.masks.sinks(...) / softcap(...) around a mask.
 
     Equivalent to (up to rounding, without materialising the scores):
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
