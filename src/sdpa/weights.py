@@ -134,7 +134,10 @@ class AttentionWeights:
             "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), w.mean(dim=-2), "
             "w.entropy() and w.topk(k) work in O(chunk x S) memory; or pass max_bytes=None",
         )
-        return self[...]
+        if self._shape_only:
+            return self._zeros(*self.shape[len(self._inputs.lead) :])
+        with torch.no_grad(), no_autocast(self.device.type):  # every row: no selection
+            return rows.dense(self._rows()).reshape(self.shape)  # (*lead, L, S)
 
     def __getitem__(self, index: object) -> torch.Tensor:
         """Only the selected rows, computed from the LSE: ints and slices address the
