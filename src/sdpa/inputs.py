@@ -84,6 +84,17 @@ class Inputs(NamedTuple):
         return 1 if empty(hkv) else self.query.shape[1] // hkv
 
     @property
+    def causal_only(self) -> bool:
+        """Whether the only masking is top-left causality (the causal flag, or a
+        structured mask that is exactly the top-left causal one): the kernels' own
+        causal path, decided without a scan."""
+        mask = self.mask
+        if mask is None:
+            return self.causal
+        L, S = self.query.shape[2], self.key.shape[2]
+        return isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S)
+
+    @property
     def no_work(self) -> bool:
         """Whether there is no score to compute (0 heads, queries or keys): the output
         is all 0 (empty, or rows that see no key), decided from shapes alone."""

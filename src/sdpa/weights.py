@@ -314,12 +314,10 @@ class AttentionWeights:
             return None
         if i.softcap is not None or i.sinks is not None:  # the kernels score plain q . k
             return None
-        mask, causal = i.mask, i.causal
+        mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
         L, S = i.query.shape[2], i.key.shape[2]
         if isinstance(mask, masks.Mask):
-            if mask.is_top_left_causal(L, S):
-                mask, causal = None, True
-            elif (mask.batch or 1) * L * S > KERNEL_MASK_BYTES:
+            if (mask.batch or 1) * L * S > KERNEL_MASK_BYTES:
                 return None
             else:
                 mask = mask.materialize(L, S, self.device, max_bytes=None)  # (L, S) or (B, 1, L, S)
@@ -364,9 +362,7 @@ class AttentionWeights:
         float32 error < 1e-5)."""
         i = self._inputs
         L, S = i.query.shape[2], i.key.shape[2]
-        mask, causal = i.mask, i.causal
-        if isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S):
-            mask, causal = None, True
+        mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
         per_key = mask is None or (  # key padding: the same row for every query
             isinstance(mask, torch.Tensor) and (mask.shape[-2] == 1 or mask.stride(-2) == 0)
         )

@@ -47,23 +47,11 @@ def _rows_mask(inputs: Inputs, r0: int, r1: int, k0: int, k1: int) -> torch.Tens
     return mask.masked_fill(~keep, -torch.inf)
 
 
-def _causal_only(inputs: Inputs) -> bool:
-    """Whether the only mask is top-left causality (then rows r0:r1 see every key
-    before r0: the mask is needed on keys r0:r1 only)."""
-    L, S = inputs.query.shape[2], inputs.key.shape[2]
-    mask = inputs.mask
-    if mask is None:
-        return inputs.causal
-    return isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S) and not inputs.causal
-
-
 def _keys_seen(inputs: Inputs, r1: int) -> int:
     """How many leading keys rows < r1 can see: r1 under top-left causality (query p
     sees keys j <= p), else all S. Decided from the mask's kind, no scan."""
-    L, S = inputs.query.shape[2], inputs.key.shape[2]
-    mask = inputs.mask
-    top_left = inputs.causal or (isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S))
-    return min(S, r1) if top_left else S
+    S = inputs.key.shape[2]
+    return min(S, r1) if inputs.causal or inputs.causal_only else S
 
 
 def _math(q, k, v, mask, k0, inputs: Inputs, sinks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +111,7 @@ class Chunked(Backend):
         )
         cd = inputs.compute_dtype
         k, v = (inputs.key, inputs.value) if grad else (inputs.key.to(cd), inputs.value.to(cd))
-        diagonal = not grad and _causal_only(inputs)
+        diagonal = not grad and inputs.causal_only  # rows r0:r1 see every key before r0
         outs, lses = [], []
         for r0 in range(0, L, step):
             r1 = min(L, r0 + step)

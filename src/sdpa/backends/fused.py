@@ -128,17 +128,16 @@ def _run_pieces(
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for p in pieces:
         qp = q[p.batch, :, p.q0 : p.q1]  # (b, Hq, r, D)
+        sinks = sink_rows(inputs.sinks, slice(p.q0, p.q1))
+        sinks = None if sinks is None else sinks[p.batch]  # (b, Hq, r|1)
         if p.k1 == p.k0:  # sees no key: output 0, lse 0 (before any sink)
             out = qp.new_zeros(*qp.shape[:-1], v.shape[-1])
             lse = qp.new_zeros(qp.shape[:-1], dtype=inputs.compute_dtype)
-            sinks = sink_rows(inputs.sinks, slice(p.q0, p.q1))
             if sinks is not None:
-                lse = torch.logaddexp(lse, sinks[p.batch].detach())
+                lse = torch.logaddexp(lse, sinks.detach())
         else:
             mask = blocks.additive(blocks.keep(inputs, p), q.dtype) if p.masked else None
             kp, vp = k[p.batch, :, p.k0 : p.k1], v[p.batch, :, p.k0 : p.k1]
-            sinks = sink_rows(inputs.sinks, slice(p.q0, p.q1))
-            sinks = None if sinks is None else sinks[p.batch]
             out, lse = kernel(qp, kp, vp, mask, False, inputs.scale, sinks)
         groups.setdefault((p.batch.start, p.batch.stop), []).append((out, lse))
     outs = [torch.cat([o for o, _ in g], dim=2) for g in groups.values()]  # along queries
@@ -208,8 +207,7 @@ class Fused(Backend):
         Ev = inputs.value.shape[-1]
         mask = inputs.mask
         L, S = q.shape[2], k.shape[2]
-        causal_only = mask is None and inputs.causal
-        if causal_only or (isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S)):
+        if inputs.causal_only:
             out, lse = kernel(q, k, v, None, True, inputs.scale, inputs.sinks)  # its own causal
             return out[..., :Ev], lse
         occ = blocks.structure(inputs)

@@ -151,24 +151,29 @@ def _mask(
         bias = position_bias.to(torch.float32 if query.dtype != torch.float64 else query.dtype)
         if mask is None:
             return bias
-        if isinstance(mask, masks.Mask):
-            mask = mask.materialize(L, S, query.device, max_bytes=None)
+        mask = _dense(mask, L, S, query.device)
         if mask.dtype == torch.bool:
             return bias.masked_fill(~mask, -torch.inf)
         return bias + mask
     return mask
 
 
+def _dense(mask: torch.Tensor | masks.Mask, L: int, S: int, device) -> torch.Tensor:
+    """mask as a tensor: a structured mask materialised for L x S."""
+    if isinstance(mask, masks.Mask):
+        return mask.materialize(L, S, device, max_bytes=None)
+    return mask
+
+
 def _and(mask: torch.Tensor | masks.Mask, keep: torch.Tensor, L: int, S: int):
     """mask restricted to `keep` (bool, True = takes part)."""
-    if isinstance(mask, masks.Mask):
-        mask = mask.materialize(L, S, keep.device, max_bytes=None)
+    mask = _dense(mask, L, S, keep.device)
     if mask.dtype == torch.bool:
         return mask & keep
     return mask.masked_fill(~keep, -torch.inf)
 
 
-def _sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None, query: torch.Tensor):
+def _sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None) -> torch.Tensor | None:
     """Sink logits as sdpa.masks.sinks takes them, (..., Hq, L|1, 1): `s_aux` is one
     logit per query head (gpt-oss), `sinks` the eager extra column (B, Hq, L, 1)."""
     if s_aux is not None and sinks is not None:
@@ -200,7 +205,7 @@ def _run(
     mask = _mask(module, query, key, attention_mask, is_causal, position_bias, indices)
     if softcap is not None:
         mask = masks.softcap(softcap, mask)
-    logits = _sinks(s_aux, sinks, query)
+    logits = _sinks(s_aux, sinks)
     if logits is not None:
         mask = masks.sinks(logits, mask)
     out, weights = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)
