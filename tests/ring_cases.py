@@ -199,6 +199,8 @@ def disagree(rank, world, *, what):
     whose weights went stale: the error every rank raises (type and message), or None."""
     q = torch.randn(1, 2, 8 if what != "shape" or rank == 0 else 6, 4)
     mask = "not a mask" if what == "bad_mask" and rank == world - 1 else None
+    if what == "score_mod" and rank == world - 1:  # softcap / sinks: not run by the ring
+        mask = masks.softcap(5.0, masks.causal())
     if what == "mask":  # same shapes, other document ids on the last rank
         ids = torch.arange(8 * world) // (4 if rank < world - 1 else 8)
         mask = masks.documents(ids)

@@ -148,6 +148,7 @@ def test_a_rank_whose_weights_went_stale_makes_every_rank_raise_at_once(group):
     ("what", "error"),
     [
         ("bad_mask", "SdpaTypeError: ring_attention takes a structured mask"),
+        ("score_mod", "NotSupportedError: ring_attention does not run softcap or attention"),
         ("timeout", "SdpaValueError: timeout must be a positive number of seconds, got -1"),
     ],
 )

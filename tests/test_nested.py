@@ -253,6 +253,13 @@ def test_refuses_what_torch_refuses(gen, name):
         ours(q, k, v, **kwargs)
 
 
+def test_refuses_softcap_and_sinks_by_name(gen):
+    """sdpa's own score modifications are not run on nested inputs: refused, named."""
+    (q, k, v), _, _ = _refusals(gen)["is_causal"]
+    with pytest.raises(sdpa.NotSupportedError, match=r"got attn_mask ScoreMod\(mask=None, "):
+        ours(q, k, v, attn_mask=sdpa.masks.softcap(5.0))
+
+
 def strided(gen, shapes, grad=False):
     """torch's strided-layout nested tensor (a prototype; it warns once)."""
     with warnings.catch_warnings():
