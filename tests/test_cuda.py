@@ -157,7 +157,9 @@ def test_fused_cuda_bf16_gradients_within_three_times_the_listings_error(gen):
     grad = randn(gen, 2, 3, 128, 64, dtype=dtype)
 
     def grads(fn, dtype, device):
-        ts = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+        # detach: a .to() that changes nothing returns the input itself, whose
+        # requires_grad_ would then make the next call's copies non-leaves
+        ts = [t.detach().to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
         m = mask.to(device)
         fn(*ts, m).backward(grad.to(device=device, dtype=dtype))
         return [t.grad.cpu().double() for t in ts]
