@@ -16,6 +16,21 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
+
+@pytest.fixture(autouse=True)
+def _engines_for_long_inputs(request, monkeypatch):
+    """Tests use small sizes to run fast, yet most must exercise the engines long inputs
+    take (torch's fused kernel, the block planner, the row engine): below the small
+    backend's thresholds those would never run. So the small backend and the one-product
+    weights are off, unless a test (or module) is marked `small_shapes`: there they run
+    at their real thresholds, as users get them."""
+    if request.node.get_closest_marker("small_shapes") is None:
+        from sdpa.backends import small
+
+        monkeypatch.setattr(small, "SMALL_WEIGHTS", 0)
+        monkeypatch.setattr(small, "ONE_PRODUCT_WEIGHTS", 0)
+
+
 MASK_KINDS = ["none", "bool", "int", "float", "float_inf", "key_padding", "2d", "dead_rows"]
 
 

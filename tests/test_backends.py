@@ -27,8 +27,8 @@ def test_auto_prefers_fused_and_falls_to_reference_for_dropout(gen):
     capped = normalize(q, k, v, sdpa.masks.softcap(5.0))
     assert select(capped).name == "chunked"  # the fused kernels cannot cap scores
     assert select(normalize(q, k, v, sdpa.masks.softcap(5.0), dropout_p=0.2)).name == "reference"
-    assert [b.name for b in PRIORITY] == ["fused", "chunked", "reference"]
-    assert set(BACKENDS) == {"fused", "chunked", "reference"}
+    assert [b.name for b in PRIORITY] == ["small", "fused", "chunked", "reference"]
+    assert set(BACKENDS) == {"small", "fused", "chunked", "reference"}
 
 
 def test_none_fits_lists_every_backend_with_reasons(gen):

@@ -92,7 +92,9 @@ def test_attention_and_every_statistic_on_empty_shapes(gen, name, mask_kind, bac
     torch.testing.assert_close(w.sum(dim=-2).double(), p.sum(-2), atol=1e-6, rtol=2e-6)
     torch.testing.assert_close(w.mean(dim=-2).double(), p.sum(-2) / max(L, 1), atol=1e-6, rtol=2e-6)
     logp = p.log().nan_to_num(0.0, neginf=0.0)
-    torch.testing.assert_close(w.entropy().double(), -(p * logp).sum(-1), atol=1e-6, rtol=2e-6)
+    # (the entropy is lse - scale * q . PK in float32: a difference of two O(1) terms;
+    # seed 1487052650 gives 1.27e-6 on Ev=0)
+    torch.testing.assert_close(w.entropy().double(), -(p * logp).sum(-1), atol=4e-6, rtol=2e-6)
     amax = p.amax(-1) if S else torch.zeros(B, Hq, L, dtype=torch.float64)
     torch.testing.assert_close(w.amax().double(), amax, atol=1e-6, rtol=0)
     for kk in {0, min(1, S), S}:

@@ -215,7 +215,8 @@ def test_bad_dropout(qkv, p):
 def test_unknown_backend(qkv):
     refuses(
         ValueError,
-        r"backend must be 'auto' or one of \['chunked', 'fused', 'reference'\], got 'flash'",
+        r"backend must be 'auto' or one of "
+        r"\['chunked', 'fused', 'reference', 'small'\], got 'flash'",
         *qkv,
         backend="flash",
     )

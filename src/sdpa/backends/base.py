@@ -15,7 +15,7 @@ class Backend:
 
     forward returns (output (B, Hq, L, Ev) in the input dtype, differentiable;
     lse (B, Hq, L) in the compute dtype, with 0 for rows that see no key).
-    Weights are never returned: `AttentionWeights` rebuilds them from the LSE.
+    `AttentionWeights` rebuilds the weights from the LSE, unless `run` hands them over.
     """
 
     name: str = ""
@@ -26,6 +26,13 @@ class Backend:
 
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What `attention` calls: (output, lse, weights). A backend that computes the
+        weights anyway returns them (B, Hq, L, S), detached, and may leave lse None;
+        the others return forward's (output, lse) and None."""
+        out, lse = self.forward(inputs)
+        return out, lse, None
 
     def __repr__(self) -> str:
         return f"<sdpa backend {self.name!r}>"

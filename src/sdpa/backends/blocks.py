@@ -103,14 +103,43 @@ def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:
     return out
 
 
+# The additive forms of the last few bool masks seen (a model's layers share one mask
+# per forward): (data_ptr, on CPU, shape, strides, dtype) -> (the mask view, its version, the
+# bias). The entry holds the mask, so no other tensor can take its memory while cached;
+# a changed version (an in-place write) misses. Only masks whose storage is at most
+# ADDITIVE_CACHE_BYTES are kept, at most ADDITIVE_CACHE_ENTRIES of them.
+ADDITIVE_CACHE_ENTRIES = 4
+ADDITIVE_CACHE_BYTES = 2**20
+_additive_cache: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """Keep-mask (bool) -> additive 0/-inf in `dtype`; float masks pass through.
 
     Converts only the distinct entries: broadcast (stride-0) dims stay broadcast, so a
-    (B, 1, 1, S) key-padding mask costs O(B*S), not O(B*L*S).
+    (B, 1, 1, S) key-padding mask costs O(B*S), not O(B*L*S). The same small mask
+    (unchanged in place) is converted once (see ADDITIVE_CACHE_ENTRIES).
     """
     if mask is None or mask.dtype != torch.bool:
         return mask
+    if (
+        torch.compiler.is_compiling()
+        or mask.is_inference()
+        or mask.untyped_storage().nbytes() > ADDITIVE_CACHE_BYTES
+    ):
+        return _additive(mask, dtype)
+    key = (mask.data_ptr(), mask.is_cpu, mask.shape, mask.stride(), dtype)
+    hit = _additive_cache.get(key)
+    if hit is not None and hit[1] == mask._version:
+        return hit[2]
+    bias = _additive(mask, dtype)
+    if len(_additive_cache) >= ADDITIVE_CACHE_ENTRIES:
+        del _additive_cache[next(iter(_additive_cache))]  # the oldest
+    _additive_cache[key] = (mask, mask._version, bias)
+    return bias
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     base = distinct(mask)
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     bias = torch.where(base, zero, zero - torch.inf)  # one pass, no inverted copy

@@ -110,7 +110,7 @@ def _prepare(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = _unit_stride(inputs.query), _unit_stride(inputs.key), _unit_stride(inputs.value)
     E, Ev = q.shape[-1], v.shape[-1]
     D = max(E, Ev)
-    align = _HEAD_ALIGN.get(q.device.type)
+    align = None if q.is_cpu else _HEAD_ALIGN.get(q.device.type)
     if align is not None:
         D = -(-D // align) * align
     if E < D:
@@ -199,14 +199,40 @@ class Fused(Backend):
             )
         return reasons
 
+    def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """forward, with the calls made most (CPU, no sinks, one head size, unit
+        strides, no mask or a mask over at most one query block) sent straight to the
+        kernel: decided from shapes, in about a microsecond."""
+        q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
+        if q.is_cpu and inputs.sinks is None:
+            _, H, L, E = q.shape
+            if (
+                H.__class__ is int  # sizes known (not traced): the checks below are plain
+                and H and L and E and k.shape[2]
+                and E == v.shape[3]
+                and (mask is None or (mask.__class__ is torch.Tensor and L <= blocks.BLOCK_Q))
+                and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
+            ):  # fmt: skip
+                if mask is not None:
+                    mask = blocks.additive(mask, q.dtype)
+                out, lse = _cpu_op(q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale)
+                return out, lse, None
+        out, lse = self.forward(inputs)
+        return out, lse, None
+
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         if inputs.no_work:  # torch's kernels crash on 0 heads, queries or keys
             return _REFERENCE.forward(inputs)  # nothing to compute: zeros, differentiable
-        kernel = _KERNELS[inputs.query.device.type]
+        kernel = _cpu_kernel if inputs.query.is_cpu else _KERNELS[inputs.query.device.type]
         q, k, v = _prepare(inputs)
         Ev = inputs.value.shape[-1]
         mask = inputs.mask
         L, S = q.shape[2], k.shape[2]
+        if mask is None or (mask.__class__ is torch.Tensor and L <= blocks.BLOCK_Q):
+            # no block to skip (decided from shapes): one call, causal or not
+            mask = blocks.additive(mask, q.dtype)
+            out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
+            return (out if out.shape[-1] == Ev else out[..., :Ev]), lse
         if inputs.causal_only:
             out, lse = kernel(q, k, v, None, True, inputs.scale, inputs.sinks)  # its own causal
             return out[..., :Ev], lse

@@ -54,6 +54,9 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, kv_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        # the q, k, v weights packed for one GEMM, with the (address, version) of each
+        # parameter they were packed from: reused while none changed (see _packed_weights)
+        self._packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(
         self,
@@ -100,11 +103,31 @@ class MultiHeadAttention(nn.Module):
 
     def _packed_projection(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v projections of x as one GEMM (as torch's packed in_proj does)."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        weight = torch.cat([p.weight for p in projs])  # (d_model + 2 * kv_dim, d_model)
-        bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
+        weight, bias = self._packed_weights()
         kv_dim = self.kv_heads * self.head_dim
         return nn.functional.linear(x, weight, bias).split([self.d_model, kv_dim, kv_dim], -1)
+
+    def _packed_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight (d_model + 2 * kv_dim, d_model), bias) of the q, k, v projections: a
+        fresh, differentiable concatenation where autograd needs one, else the one
+        packed earlier while no parameter has moved or changed in place."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        params = [p.weight for p in projs]
+        if self.q_proj.bias is not None:
+            params += [p.bias for p in projs]
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return self._pack(projs)
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if self._packed is None or self._packed[0] != key:
+            with torch.no_grad():
+                self._packed = (key, *self._pack(projs))
+        return self._packed[1], self._packed[2]
+
+    @staticmethod
+    def _pack(projs: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight = torch.cat([p.weight for p in projs])  # (d_model + 2 * kv_dim, d_model)
+        bias = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
+        return weight, bias
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:

@@ -1,0 +1,152 @@
+"""The listing's math in one product, for small weights: output and weights together.
+
+Up to SMALL_WEIGHTS scores (B * Hq * L * S: short texts, decode steps) the scores fit in
+cache and torch's fused kernel saves nothing over
+
+    p = softmax(scale * q k^T + mask)        out = p v
+
+so this backend computes that, with grouped-query heads folded into rows (no copy of k
+or v), and hands p to AttentionWeights: every row and statistic of these weights is then
+a read of p, and `w.full()` costs nothing more. The LSE is not computed (AttentionWeights
+computes it if asked). Differentiable through torch's own matmul and softmax. Rows that
+see no key give output 0 and weights 0, as in the reference backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdpa import masks
+from sdpa.backends.base import Backend
+from sdpa.backends.blocks import distinct
+from sdpa.backends.reference import Reference
+from sdpa.inputs import HALF_DTYPES, Inputs, known
+
+# Largest B * Hq * L * S this backend takes: past it torch's fused kernel is faster
+# (measured by benchmarks/bench_decode.py on CPU; on CUDA the fused op is one launch).
+SMALL_WEIGHTS = 2**21
+# ... and, under causal masking, the largest L * S per head: the fused kernel skips the
+# masked half of the work, the product cannot.
+SMALL_CAUSAL = 2**14
+# Lazy weights up to this many scores are computed whole, in one product, the first
+# time any of them is read (a decode step's row, a short text's matrix): less than the
+# row engine's fixed cost per call.
+ONE_PRODUCT_WEIGHTS = 2**16
+_REFERENCE = Reference()
+_ZERO = {d: torch.zeros((), dtype=d) for d in (torch.float32, torch.float64)}  # baddbmm's C
+
+
+def fits(inputs: Inputs) -> bool:
+    """Whether this backend should run `inputs`, from shapes alone: more than one query
+    (a decode step's single row is faster in the fused kernel, and its weights cost one
+    product when asked) and scores small enough."""
+    B, Hq, L, _ = inputs.query.shape
+    S = inputs.key.shape[2]
+    if known(L == 1) or not known(B * Hq * L * S <= SMALL_WEIGHTS):
+        return False
+    return known(L * S <= SMALL_CAUSAL) or not (
+        inputs.causal or isinstance(inputs.mask, masks.Mask)
+    )
+
+
+def one_product(inputs: Inputs) -> bool:
+    """Whether lazy weights of `inputs` are best computed whole (see ONE_PRODUCT_WEIGHTS)."""
+    B, Hq, L, _ = inputs.query.shape
+    return (
+        known(B * Hq * L * inputs.key.shape[2] <= ONE_PRODUCT_WEIGHTS)
+        and inputs.softcap is None
+        and inputs.sinks is None
+        and not torch.compiler.is_compiling()
+    )
+
+
+def probabilities(inputs: Inputs) -> torch.Tensor:
+    """The weights p = softmax(scale * q k^T + mask), (B, Hq, L, S) in the compute dtype;
+    rows that see no key are 0."""
+    q, k, mask = inputs.query, inputs.key, inputs.mask
+    B, Hq, L, E = q.shape
+    _, Hkv, S, _ = k.shape
+    if q.dtype in HALF_DTYPES:  # softmax statistics in float32
+        q, k = q.float(), k.float()
+    folded = q.reshape(B * Hkv, Hq // Hkv * L, E)  # query heads of a key head as rows
+    zero = _ZERO.get(q.dtype) if q.is_cpu else None
+    if zero is None:
+        zero = q.new_zeros(())
+    scores = torch.baddbmm(
+        zero, folded, k.reshape(B * Hkv, S, E).mT, beta=0.0, alpha=inputs.scale
+    ).view(B, Hq, L, S)
+    causal = inputs.causal
+    if mask is not None and mask.__class__ is not torch.Tensor:  # a structured mask
+        if inputs.causal_only:
+            mask, causal = None, True
+        else:
+            mask = mask.materialize(L, S, scores.device, max_bytes=None)  # (L, S) | (B, 1, L, S)
+    if causal:  # top-left: query i sees keys j <= i, so no row is left without a key
+        excluded = torch.ones(L, S, dtype=torch.bool, device=scores.device).triu_(1)
+        scores.masked_fill_(excluded, -torch.inf)
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    if mask.dtype == torch.bool:  # invert only the distinct entries (key padding: B x S)
+        scores.masked_fill_(distinct(mask).logical_not().expand(mask.shape), -torch.inf)
+    else:
+        scores.add_(mask)
+    dead = torch.isneginf(scores.amax(dim=-1, keepdim=True))  # rows that see no key
+    scores.masked_fill_(dead, 0.0)  # keeps softmax and its gradient finite
+    p = torch.softmax(scores, dim=-1)
+    if torch.is_grad_enabled() and p.requires_grad:  # softmax's backward reads p
+        return p.masked_fill(dead, 0.0)
+    return p.masked_fill_(dead, 0.0)
+
+
+def probabilities_and_output(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Hq, L, Ev) in the input dtype, p (B, Hq, L, S) in the compute dtype)."""
+    p = probabilities(inputs)
+    v, dtype = inputs.value, inputs.query.dtype
+    if dtype is not p.dtype:
+        v = v.to(p.dtype)
+    B, Hq, L, S = p.shape
+    Hkv, Ev = v.shape[1], v.shape[3]
+    if Hkv == Hq:
+        out = torch.matmul(p, v)  # (B, Hq, L, Ev)
+    else:  # query heads of a key head as rows
+        out = torch.bmm(p.view(B * Hkv, Hq // Hkv * L, S), v.reshape(B * Hkv, S, Ev))
+        out = out.view(B, Hq, L, Ev)
+    return (out if dtype is p.dtype else out.to(dtype)), p
+
+
+class Small(Backend):
+    name = "small"
+
+    def not_supported_reasons(self, inputs: Inputs) -> list[str]:
+        reasons = []
+        device = inputs.query.device.type
+        if device != "cpu":
+            reasons.append(f"inputs on {device} (on CUDA the fused kernel is one launch)")
+        if inputs.dropout_p > 0:
+            reasons.append(f"dropout_p={inputs.dropout_p} > 0 (the reference backend applies it)")
+        if inputs.softcap is not None or inputs.sinks is not None:
+            reasons.append("a softcap or sinks (the chunked and fused backends apply them)")
+        B, Hq, L, _ = inputs.query.shape
+        if torch.compiler.is_compiling():
+            reasons.append("torch.compile is tracing (the fused kernel serves compiled graphs)")
+        elif inputs.no_work:
+            reasons.append("no score to compute (0 heads, queries or keys)")
+        elif L == 1:
+            reasons.append("one query (the fused kernel is faster; the weights cost one product)")
+        elif not fits(inputs):
+            reasons.append(
+                f"B*Hq*L*S = {B * Hq * L * inputs.key.shape[2]} scores, over SMALL_WEIGHTS = "
+                f"{SMALL_WEIGHTS} (or L*S over SMALL_CAUSAL = {SMALL_CAUSAL} with causal "
+                f"or structured masking): the fused kernel is faster there"
+            )
+        return reasons
+
+    def run(self, inputs: Inputs) -> tuple[torch.Tensor, None, torch.Tensor]:
+        out, p = probabilities_and_output(inputs)
+        return out, None, (p.detach() if p.requires_grad else p)
+
+    def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        out, _ = probabilities_and_output(inputs)
+        with torch.no_grad():
+            lse = _REFERENCE.forward(inputs)[1]
+        return out, lse
