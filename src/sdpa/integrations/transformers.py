@@ -7,6 +7,9 @@
     with sdpa_hf.capture(model) as cap:                       # lazy, no n^2 memory
         model(**batch)
     cap.weights[3].entropy()                                  # layer 3, per query
+    with sdpa_hf.capture(model, stats=("received", "entropy")) as cap:
+        model.generate(**batch, max_new_tokens=32)             # stats computed per call
+    cap.received[3]                       # (B, Hkv, S): attention each key received
 
 The dense attentions come wherever eager gives them: when the call passes
 `output_attentions=True` to the attention function, and when transformers' output
@@ -30,7 +33,14 @@ The name has no "sdpa" in it: transformers gates every name containing "sdpa" on
 the config route to attentions (`config.output_attentions = True`) for every
 implementation but "eager"; use the call argument or `capture`. Rows that see no key
 at all (a fully padded query under causal masking) get weights 0 here; eager gives
-them uniform weights over the masked keys.
+them uniform weights over every key.
+
+Caches: DynamicCache, StaticCache (`cache_implementation="static"`) and sliding-window
+caches work as on eager (greedy tokens identical, tests/test_generation.py); where L < S
+the mask function aligns causality bottom-right, and `causal` is used only for L == S.
+Under torch.compile the attention function traces with no graph break and the lazy
+weights never leave the graph (nothing outside can read them); inside an open `capture`
+block each attention call runs outside the graph instead, so that the capture sees it.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import contextlib
 import contextvars
 import importlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -81,13 +92,105 @@ ONLY_WHEN_EMPTY = frozenset({"head_mask", "layer_head_mask", "block_indices"})
 _capturing: contextvars.ContextVar[Capture | None] = contextvars.ContextVar(
     "sdpa_capture", default=None
 )
+# How many capture blocks are open, in any thread: a plain int that torch.compile can
+# read (and guards on); it cannot read the ContextVar.
+_open_captures = 0
+
+STATS = ("received", "entropy", "last_row")
 
 
 @dataclass
 class Capture:
-    """What `capture` collects: one lazy AttentionWeights per attention call, in order."""
+    """What `capture` collects, per attention call or accumulated per layer.
+
+    weights: one lazy AttentionWeights (B, Hq, L, S) per call, in call order (when kept).
+    received: layer -> (B, Hkv, S) float32 (float64 for float64 models): attention each
+        key received, summed over every query of every call (prefill and each decode
+        step), averaged over the Hq / Hkv query heads that share each key/value head.
+    entropy: layer -> one (B, Hq, L) tensor per call, in nats.
+    last_row: layer -> one (B, Hq, S) tensor per call: the weights of the last query.
+    B: batch, Hq / Hkv: query / key-value heads, L: queries of the call, S: keys.
+    """
 
     weights: list[AttentionWeights] = field(default_factory=list)
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+    entropy: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    last_row: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    stats: tuple[str, ...] = ()
+    on_call: Callable[[int, AttentionWeights], object] | None = field(default=None, repr=False)
+    keep: bool = True
+    # modules by weak reference: a capture kept after the block must not pin the model
+    _layers: weakref.WeakKeyDictionary = field(  # module -> layer, without layer_idx
+        default_factory=weakref.WeakKeyDictionary, repr=False
+    )
+    _owners: dict[int, weakref.ref] = field(default_factory=dict, repr=False)  # layer -> module
+    _seen: dict[int, int] = field(default_factory=dict, repr=False)  # layer -> tokens
+
+    def _record(
+        self, module: torch.nn.Module, weights: AttentionWeights, kv_heads: int, sliding: bool
+    ) -> None:
+        """Inside the attention call: keep the handle, compute the statistics asked for
+        from the fresh weights, then call on_call."""
+        if self.keep:
+            self.weights.append(weights)
+        if not self.stats and self.on_call is None:
+            return
+        layer = self._layer(module)
+        if self.stats:
+            with torch.no_grad():
+                self._add_stats(layer, module, weights, kv_heads, sliding)
+        if self.on_call is not None:
+            self.on_call(layer, weights)
+
+    def _layer(self, module: torch.nn.Module) -> int:
+        """module.layer_idx, else the module's place among those without one, in the
+        order of their first call (their position in a forward pass)."""
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and not isinstance(layer, bool):
+            return layer
+        return self._layers.setdefault(module, len(self._layers))
+
+    def _add_stats(
+        self, layer: int, module: torch.nn.Module, w: AttentionWeights, kv_heads: int,
+        sliding: bool,
+    ) -> None:  # fmt: skip
+        owner = self._owners.get(layer)
+        if owner is None:
+            self._owners[layer] = weakref.ref(module)
+        elif owner() is not module:
+            raise SdpaValueError(
+                f"capture(stats=...) keeps statistics per layer index, and two attention "
+                f"modules claim layer {layer} (the second a {type(module).__name__}; an "
+                f"encoder-decoder numbers its stacks alike); use on_call, or keep=True "
+                f"and read cap.weights, which are per call"
+            )
+        if "entropy" in self.stats:
+            self.entropy.setdefault(layer, []).append(w.entropy())  # (B, Hq, L)
+        if "last_row" in self.stats:
+            self.last_row.setdefault(layer, []).append(w[:, :, -1])  # (B, Hq, S)
+        if "received" not in self.stats:
+            return
+        B, Hq, L, S = w.shape
+        start = 0  # key j of the call is token j: Dynamic and Static caches
+        if sliding:  # the cache dropped its oldest keys: its S keys are the last S tokens
+            seen = L if S == L else self._seen.get(layer, 0) + L
+            self._seen[layer] = seen
+            start = max(0, seen - S)
+        got = w.sum(dim=-2).reshape(B, kv_heads, Hq // kv_heads, S).sum(2)  # (B, Hkv, S)
+        total = self.received.get(layer)
+        if total is None:
+            total = got.new_zeros(B, kv_heads, start + S)
+        elif total.shape[:2] != (B, kv_heads):
+            raise SdpaValueError(
+                f"capture(stats=('received',)) sums one batch over the calls of a block, "
+                f"but layer {layer} got (B, Hkv) = {(B, kv_heads)} after "
+                f"{tuple(total.shape[:2])}; open one capture block per generate call"
+            )
+        elif total.shape[-1] < start + S:  # new keys start at 0
+            total = torch.nn.functional.pad(total, (0, start + S - total.shape[-1]))
+        keys = total if start == 0 and total.shape[-1] == S else total[..., start : start + S]
+        keys.add_(got, alpha=kv_heads / Hq)  # the mean over each group's query heads, as kvpress
+        self.received[layer] = total
 
 
 def _model_name(module: torch.nn.Module) -> str:
@@ -183,7 +286,16 @@ def _sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None) -> torch.Tens
     return sinks
 
 
-def _run(
+def _run(*args, **kwargs) -> tuple[torch.Tensor, AttentionWeights]:
+    """_attend, outside the graph while torch.compile traces and a capture block is open
+    (a graph break per call, so that the capture sees it); with no capture open the
+    call traces whole."""
+    if torch.compiler.is_compiling() and _open_captures:
+        return _attend_eagerly(*args, **kwargs)
+    return _attend(*args, **kwargs)
+
+
+def _attend(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -209,10 +321,15 @@ def _run(
     if logits is not None:
         mask = masks.sinks(logits, mask)
     out, weights = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)
-    active = _capturing.get()
-    if active is not None:
-        active.weights.append(weights)
+    if not torch.compiler.is_compiling():  # traced: no capture is open (see _run)
+        active = _capturing.get()
+        if active is not None:
+            sliding = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+            active._record(module, weights, key.shape[1], bool(sliding))
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)
+
+
+_attend_eagerly = torch.compiler.disable(_attend)
 
 
 def attention_forward(
@@ -347,14 +464,46 @@ def _uses_ours(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def capture(model: torch.nn.Module) -> Iterator[Capture]:
-    """Collect the lazy weights of every attention call made inside the block.
+def capture(
+    model: torch.nn.Module,
+    stats: str | tuple[str, ...] | list[str] = (),
+    on_call: Callable[[int, AttentionWeights], object] | None = None,
+    keep: bool | None = None,
+) -> Iterator[Capture]:
+    """Collect what the attention calls made inside the block show: lazy weights, or
+    statistics computed inside each call.
+
+        with capture(model, stats=("received", "entropy")) as cap:
+            model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+        cap.received[3]       # layer 3: (B, Hkv, S) attention each key received
+        cap.entropy[3][-1]    # layer 3, last step: (B, Hq, 1)
 
     The model (or, in a composite model, any sub-model) must run on sdpa
-    (`attn_implementation=register()`). After a forward, `.weights[i]` is the i-th
-    attention call's AttentionWeights (B, H, L, S): rows, sums, entropy, top-k of any
-    layer without the dense L x S tensors.
+    (`attn_implementation=register()`).
+
+    stats: any of "received", "entropy", "last_row" (see Capture for shapes), computed
+        from each call's fresh weights before the call returns: a StaticCache writes
+        keys in place, after which lazy weights refuse to answer. received accumulates
+        in O(S) memory per layer over every call of the block (prefill and each decode
+        step: the H2O / kvpress "observed attention" score); it grows with a
+        DynamicCache (new keys start at 0), has the cache length with a StaticCache,
+        and is indexed by token position for sliding-window layers. Query rows that see
+        no key (left padding) have weights 0: they add nothing to received and have
+        entropy 0 (eager gives them uniform weights over every key). A block holds one
+        batch: a second generate in the same block adds to the same sums, token
+        position by token position.
+    on_call: called as on_call(layer, weights) inside each attention call, before the
+        next one; layer is module.layer_idx, or the module's position in the forward
+        pass for modules without one.
+    keep: append each call's lazy AttentionWeights (B, Hq, L, S) to cap.weights, in call
+        order: rows, sums, entropy, top-k of any layer without the dense L x S tensors
+        (default: only when neither stats nor on_call is given). Each handle pins that
+        call's query and key tensors; over a long generation that adds up.
+
+    Under torch.compile, while a block is open, each attention call runs outside the
+    compiled graph (one graph break per call), so that it is captured.
     """
+    global _open_captures
     if not _uses_ours(model):
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise SdpaValueError(
@@ -362,9 +511,25 @@ def capture(model: torch.nn.Module) -> Iterator[Capture]:
             f"for the model and every sub-model; load it with "
             f"attn_implementation=sdpa.integrations.transformers.register()"
         )
-    found = Capture()
+    names = (stats,) if isinstance(stats, str) else tuple(stats)
+    unknown = [n for n in names if n not in STATS]
+    if unknown:
+        raise SdpaValueError(
+            f"stats must name statistics from {STATS}, got unknown {unknown} in stats={stats!r}"
+        )
+    if on_call is not None and not callable(on_call):
+        raise SdpaValueError(
+            f"on_call must be a callable taking (layer, weights), got {_describe(on_call)}"
+        )
+    if keep is not None and not isinstance(keep, bool):
+        raise SdpaValueError(f"keep must be True, False or None, got {keep!r}")
+    if keep is None:
+        keep = not names and on_call is None
+    found = Capture(stats=names, on_call=on_call, keep=keep)
     token = _capturing.set(found)
+    _open_captures += 1
     try:
         yield found
     finally:
+        _open_captures -= 1
         _capturing.reset(token)
