@@ -53,6 +53,7 @@ bench: $(VENV)/.dev $(KVENV)/.kvpress
 	$(PY) benchmarks/bench_masks.py --json benchmarks/results/masks.json
 	$(PY) benchmarks/bench_score_mods.py --json benchmarks/results/score_mods.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_hf.py --json benchmarks/results/hf.json
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_decode.py --json benchmarks/results/decode.json
 	$(PY) benchmarks/bench_ring.py --json benchmarks/results/ring.json
 	HF_HUB_OFFLINE=1 $(KVPY) benchmarks/bench_kvpress.py --json benchmarks/results/kvpress.json
 

@@ -28,6 +28,7 @@ def _engines_for_long_inputs(request, monkeypatch):
         from sdpa.backends import small
 
         monkeypatch.setattr(small, "SMALL_WEIGHTS", 0)
+        monkeypatch.setattr(small, "SMALL_HEAD", 0)
         monkeypatch.setattr(small, "ONE_PRODUCT_WEIGHTS", 0)
 
 

@@ -151,3 +151,34 @@ def test_call_refusals():
         m(torch.randn(7, 32))
     with pytest.raises(ValueError, match=r"key must be .* got \(1, 7, 16\)"):
         m(torch.randn(1, 7, 32), torch.randn(1, 7, 16))
+
+
+def test_packed_projection_follows_parameters_changed_in_place_or_replaced(gen):
+    """The q/k/v weights packed once for inference must follow an optimizer step (an
+    in-place change) and a parameter replaced by another."""
+    torch.manual_seed(gen.initial_seed())
+    ref = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    ours = MultiHeadAttention.from_torch(ref).eval()
+    x = torch.randn(2, 5, 32, generator=gen)
+
+    def check():
+        with torch.no_grad():
+            want, want_w = ref(x, x, x, need_weights=True, average_attn_weights=False)
+            got = ours(x)
+        torch.testing.assert_close(got.output, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.weights.full(), want_w, atol=1e-5, rtol=0)
+
+    check()  # packs
+    with torch.no_grad():
+        ref.in_proj_weight[:32].mul_(1.5)  # q rows of torch's packed weight
+        ours.q_proj.weight.mul_(1.5)  # the same change, in place
+    check()
+    with torch.no_grad():
+        ref.in_proj_bias[64:].add_(0.25)  # v
+    old = ours.v_proj.bias
+    new = nn.Parameter(old.detach() + 0.25)
+    with torch.no_grad():
+        while new._version < old._version:  # the same version: only its address differs
+            new.add_(0.0)
+    ours.v_proj.bias = new  # replaced
+    check()

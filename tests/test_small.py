@@ -144,7 +144,8 @@ def test_decode_weights_come_from_one_product_after_the_fused_kernel(gen, mask_k
 
 
 def test_the_thresholds_are_decided_on_their_edges(gen, monkeypatch):
-    """B * Hq * L * S at, under and over SMALL_WEIGHTS; L == 1 goes to the fused kernel;
+    """B * Hq * L * S at, under and over SMALL_WEIGHTS; L * S at SMALL_HEAD; L == 1 goes
+    to the fused kernel;
     causal beyond SMALL_CAUSAL; the one-product weights at ONE_PRODUCT_WEIGHTS."""
     q, k, v, _ = make_inputs(gen, B=2, Hq=3, L=8, S=8)
     scores = 2 * 3 * 8 * 8
@@ -153,6 +154,10 @@ def test_the_thresholds_are_decided_on_their_edges(gen, monkeypatch):
         assert select(normalize(q, k, v)).name == name
         assert select_fast(fast_normalize(q, k, v)).name == name
     monkeypatch.setattr(small, "SMALL_WEIGHTS", 2**21)
+    for limit, name in ((64, "small"), (63, "fused")):  # L * S of one head
+        monkeypatch.setattr(small, "SMALL_HEAD", limit)
+        assert select(normalize(q, k, v)).name == name
+    monkeypatch.setattr(small, "SMALL_HEAD", 2**16)
     assert select(normalize(q[:, :, :1], k, v)).name == "fused"  # one query row
     monkeypatch.setattr(small, "SMALL_CAUSAL", 64)
     assert select(normalize(q, k, v, causal=True)).name == "small"
@@ -301,3 +306,19 @@ def test_seed_phrase_weights_are_the_listings(gen):
     listing_out, listing_p = listing.attention(q, k, v)
     torch.testing.assert_close(out, listing_out, atol=1e-6, rtol=0)
     torch.testing.assert_close(w.full(), listing_p, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_without_keys_under_a_float_mask_are_zero(gen, causal):
+    """Dead rows read from the mask (float: a row all -inf), and from the scores when
+    causality may take a row's last keys."""
+    q, k, v, _ = make_inputs(gen, L=6, S=6)
+    mask = torch.randn(2, 1, 6, 6, generator=gen)
+    mask[0, :, 2] = -torch.inf  # query 2 of batch 0 sees nothing
+    mask[1, :, 4, :5] = -torch.inf  # query 4 of batch 1 sees key 5 only: dead if causal
+    out, w = sdpa.attention(q, k, v, mask, causal=causal, backend="small")
+    ref_out, ref_p = oracle(q, k, v, mask, causal=causal)
+    torch.testing.assert_close(out.double(), ref_out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(w.full().double(), ref_p, atol=ATOL, rtol=0)
+    assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2]))
+    assert causal == bool((w.full()[1, :, 4] == 0).all())

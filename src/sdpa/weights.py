@@ -114,8 +114,12 @@ class AttentionWeights:
             self._probs = None
         if not small.one_product(self._inputs):
             return None
-        with torch.no_grad(), no_autocast(self.device.type):
-            p = small.probabilities(self._inputs)
+        with torch.no_grad():
+            if self._inputs.query.is_cpu and not torch.is_autocast_enabled("cpu"):
+                p = small.probabilities(self._inputs)
+            else:
+                with no_autocast(self.device.type):
+                    p = small.probabilities(self._inputs)
         self._probs = (p, _version(p))
         return p
 
@@ -355,6 +359,8 @@ class AttentionWeights:
         """Only the shape of an answer can be given: an empty batch, 0 heads, queries or
         keys (every value is 0), or meta tensors (shapes without data)."""
         i = self._inputs
+        if i.query.is_cpu:  # the common case, without building a device object
+            return i.no_work or empty(i.query.shape[0])
         return i.no_work or empty(i.query.shape[0]) or self.device.type == "meta"
 
     def _zeros(self, *tail: int, dtype: torch.dtype | None = None) -> torch.Tensor:

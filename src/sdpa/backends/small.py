@@ -22,9 +22,12 @@ from sdpa.backends.blocks import distinct
 from sdpa.backends.reference import Reference
 from sdpa.inputs import HALF_DTYPES, Inputs, known
 
-# Largest B * Hq * L * S this backend takes: past it torch's fused kernel is faster
-# (measured by benchmarks/bench_decode.py on CPU; on CUDA the fused op is one launch).
+# Largest B * Hq * L * S this backend takes, and largest L * S of one head (whose
+# scores must stay in cache): past them torch's fused kernel is faster (measured on CPU
+# by benchmarks/bench_decode.py: (8, 12, 128, 128) 0.8x the fused time, (1, 8, 256, 256)
+# 1.0x, (1, 8, 512, 512) 3.9x; on CUDA the fused op is one launch).
 SMALL_WEIGHTS = 2**21
+SMALL_HEAD = 2**16
 # ... and, under causal masking, the largest L * S per head: the fused kernel skips the
 # masked half of the work, the product cannot.
 SMALL_CAUSAL = 2**14
@@ -42,7 +45,11 @@ def fits(inputs: Inputs) -> bool:
     product when asked) and scores small enough."""
     B, Hq, L, _ = inputs.query.shape
     S = inputs.key.shape[2]
-    if known(L == 1) or not known(B * Hq * L * S <= SMALL_WEIGHTS):
+    if (
+        known(L == 1)
+        or not known(B * Hq * L * S <= SMALL_WEIGHTS)
+        or not known(L * S <= SMALL_HEAD)
+    ):
         return False
     return known(L * S <= SMALL_CAUSAL) or not (
         inputs.causal or isinstance(inputs.mask, masks.Mask)
@@ -86,11 +93,17 @@ def probabilities(inputs: Inputs) -> torch.Tensor:
         scores.masked_fill_(excluded, -torch.inf)
     if mask is None:
         return torch.softmax(scores, dim=-1)
-    if mask.dtype == torch.bool:  # invert only the distinct entries (key padding: B x S)
-        scores.masked_fill_(distinct(mask).logical_not().expand(mask.shape), -torch.inf)
+    base = distinct(mask)  # the entries a broadcast mask repeats (key padding: B x S)
+    if mask.dtype == torch.bool:
+        scores.masked_fill_(base.logical_not().expand(mask.shape), -torch.inf)
+        dead = base.any(dim=-1, keepdim=True).logical_not_()  # rows that see no key
     else:
         scores.add_(mask)
-    dead = torch.isneginf(scores.amax(dim=-1, keepdim=True))  # rows that see no key
+        dead = torch.isneginf(base).all(dim=-1, keepdim=True)
+    if causal:  # a row can lose its last keys to both: read the scores
+        dead = torch.isneginf(scores.amax(dim=-1, keepdim=True))
+    if not dead.any():  # (CPU: no sync to speak of) the common case, no pass over p
+        return torch.softmax(scores, dim=-1)
     scores.masked_fill_(dead, 0.0)  # keeps softmax and its gradient finite
     p = torch.softmax(scores, dim=-1)
     if torch.is_grad_enabled() and p.requires_grad:  # softmax's backward reads p
@@ -135,9 +148,10 @@ class Small(Backend):
             reasons.append("one query (the fused kernel is faster; the weights cost one product)")
         elif not fits(inputs):
             reasons.append(
-                f"B*Hq*L*S = {B * Hq * L * inputs.key.shape[2]} scores, over SMALL_WEIGHTS = "
-                f"{SMALL_WEIGHTS} (or L*S over SMALL_CAUSAL = {SMALL_CAUSAL} with causal "
-                f"or structured masking): the fused kernel is faster there"
+                f"B*Hq*L*S = {B * Hq * L * inputs.key.shape[2]} scores (over SMALL_WEIGHTS = "
+                f"{SMALL_WEIGHTS}), or L*S = {L * inputs.key.shape[2]} per head (over SMALL_HEAD "
+                f"= {SMALL_HEAD}, or SMALL_CAUSAL = {SMALL_CAUSAL} with causal or structured "
+                f"masking): the fused kernel is faster there"
             )
         return reasons
 

@@ -111,13 +111,14 @@ class MultiHeadAttention(nn.Module):
         """(weight (d_model + 2 * kv_dim, d_model), bias) of the q, k, v projections: a
         fresh, differentiable concatenation where autograd needs one, else the one
         packed earlier while no parameter has moved or changed in place."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        params = [p.weight for p in projs]
-        if self.q_proj.bias is not None:
-            params += [p.bias for p in projs]
+        mods = self._modules  # (nn.Module's attribute lookup costs a microsecond each)
+        projs = (mods["q_proj"], mods["k_proj"], mods["v_proj"])
+        params = [m._parameters["weight"] for m in projs]
+        if projs[0]._parameters.get("bias") is not None:
+            params += [m._parameters["bias"] for m in projs]
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return self._pack(projs)
-        key = tuple((p.data_ptr(), p._version) for p in params)
+        key = tuple([(p.data_ptr(), p._version) for p in params])
         if self._packed is None or self._packed[0] != key:
             with torch.no_grad():
                 self._packed = (key, *self._pack(projs))
