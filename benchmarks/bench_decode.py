@@ -112,31 +112,27 @@ def ours_weights(shape):
     return "sdpa.attention + weights.full()", setup
 
 
-def listing_weights(shape):
+def _on_qkv(name: str, call, shape):
+    """A side that runs call(q, k, v) on the shape's inputs, 2 threads."""
+
     def setup():
         torch.set_num_threads(2)
         q, k, v = qkv(shape)
-        return lambda: listing.attention(q, k, v)
+        return lambda: call(q, k, v)
 
-    return "listing (output + p_attn)", setup
+    return name, setup
+
+
+def listing_weights(shape):
+    return _on_qkv("listing (output + p_attn)", listing.attention, shape)
 
 
 def ours_output(shape):
-    def setup():
-        torch.set_num_threads(2)
-        q, k, v = qkv(shape)
-        return lambda: sdpa.attention(q, k, v).output
-
-    return "sdpa.attention", setup
+    return _on_qkv("sdpa.attention", lambda q, k, v: sdpa.attention(q, k, v).output, shape)
 
 
 def torch_output(shape):
-    def setup():
-        torch.set_num_threads(2)
-        q, k, v = qkv(shape)
-        return lambda: F.scaled_dot_product_attention(q, k, v)
-
-    return "F.scaled_dot_product_attention", setup
+    return _on_qkv("F.scaled_dot_product_attention", F.scaled_dot_product_attention, shape)
 
 
 # -- 2. MultiHeadAttention with dense weights ------------------------------------------
