@@ -94,6 +94,11 @@ def attention(
     Equivalent to (up to rounding, without materialising the scores):
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
+    if backend == "auto":  # the common calls, decided in O(1): 4-D, autocast off
+        inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p)
+        if inputs is not None:
+            out, lse, p = select_fast(inputs).run(inputs)
+            return AttentionResult(out, AttentionWeights(inputs, lse, _fused, p))
     inputs, impl = _inputs_and_backend(query, key, value, mask, causal, scale, dropout_p, backend)
     out, lse, p = _run(inputs, impl)
     return AttentionResult(out, AttentionWeights(inputs, lse, _fused, p))
