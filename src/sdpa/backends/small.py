@@ -18,7 +18,7 @@ import torch
 
 from sdpa import masks
 from sdpa.backends.base import Backend
-from sdpa.backends.blocks import distinct
+from sdpa.backends.blocks import additive, distinct
 from sdpa.backends.reference import Reference
 from sdpa.inputs import HALF_DTYPES, Inputs, known
 
@@ -88,14 +88,14 @@ def probabilities(inputs: Inputs) -> torch.Tensor:
             mask, causal = None, True
         else:
             mask = mask.materialize(L, S, scores.device, max_bytes=None)  # (L, S) | (B, 1, L, S)
+    # masks are added (0 / -inf): a broadcast masked_fill_ is ~8x slower on CPU
     if causal:  # top-left: query i sees keys j <= i, so no row is left without a key
-        excluded = torch.ones(L, S, dtype=torch.bool, device=scores.device).triu_(1)
-        scores.masked_fill_(excluded, -torch.inf)
+        scores.add_(torch.full((L, S), -torch.inf, device=scores.device).triu_(1))
     if mask is None:
         return torch.softmax(scores, dim=-1)
     base = distinct(mask)  # the entries a broadcast mask repeats (key padding: B x S)
     if mask.dtype == torch.bool:
-        scores.masked_fill_(base.logical_not().expand(mask.shape), -torch.inf)
+        scores.add_(additive(mask, scores.dtype))  # converted once per mask (cached)
         dead = base.any(dim=-1, keepdim=True).logical_not_()  # rows that see no key
     else:
         scores.add_(mask)
