@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa.backends import BACKENDS, Backend, select, select_fast
+from sdpa.backends import BACKENDS, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
@@ -28,34 +28,27 @@ def _fused(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     return BACKENDS["fused"].forward(inputs)
 
 
-def _inputs_and_backend(
+def _compute(
     query, key, value, mask, causal, scale, dropout_p, backend: str, **torch_rules
-) -> tuple[Inputs, Backend]:
-    """The normalised inputs and who runs them: the common calls decided in O(1) from
-    types and shapes (fast_normalize), the rest validated in full."""
+) -> tuple[Inputs, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(inputs, output (*lead, L, Ev), lse (B, Hq, L) or None, the weights (B, Hq, L, S)
+    where the backend computed them, else None). The common calls are recognised in
+    O(1) from types and shapes (fast_normalize: 4-D, autocast off, nothing to reshape);
+    the rest are validated in full."""
     if backend == "auto":
         inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p,
                                 torch_rules.get("gqa", True))  # fmt: skip
         if inputs is not None:
-            return inputs, select_fast(inputs)
+            return inputs, *select_fast(inputs).run(inputs)
     inputs = normalize(
         query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p, **torch_rules
     )
-    return inputs, select(inputs, backend)
-
-
-def _run(
-    inputs: Inputs, impl: Backend
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run the backend: output reshaped to (*lead, L, Ev), lse (B, Hq, L) or None, the
-    weights (B, Hq, L, S) where the backend computed them, else None."""
-    if inputs.query.is_cpu and len(inputs.lead) == 2 and not torch.is_autocast_enabled("cpu"):
-        return impl.run(inputs)  # the common case: nothing to reshape, autocast off
+    impl = select(inputs, backend)
     with no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
         out, lse, p = impl.run(inputs)
     if len(inputs.lead) != 2:  # (B, Hq, L, Ev) -> (*lead, L, Ev)
         out = out.reshape(*inputs.lead, *out.shape[-2:])
-    return out, lse, p
+    return inputs, out, lse, p
 
 
 def attention(
@@ -94,13 +87,7 @@ def attention(
     Equivalent to (up to rounding, without materialising the scores):
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
-    if backend == "auto":  # the common calls, decided in O(1): 4-D, autocast off
-        inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p)
-        if inputs is not None:
-            out, lse, p = select_fast(inputs).run(inputs)
-            return AttentionResult(out, AttentionWeights(inputs, lse, _fused, p))
-    inputs, impl = _inputs_and_backend(query, key, value, mask, causal, scale, dropout_p, backend)
-    out, lse, p = _run(inputs, impl)
+    inputs, out, lse, p = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
     return AttentionResult(out, AttentionWeights(inputs, lse, _fused, p))
 
 
@@ -144,9 +131,8 @@ def scaled_dot_product_attention(
     )
     if heads_3d:
         query, key, value = query[None], key[None], value[None]  # (1, H, L|S, E)
-    inputs, impl = _inputs_and_backend(
+    out = _compute(
         query, key, value, attn_mask, is_causal, scale, dropout_p, "auto",
         torch_semantics=True, gqa=enable_gqa,
-    )  # fmt: skip
-    out = _run(inputs, impl)[0]
+    )[1]  # fmt: skip
     return out[0] if heads_3d else out

@@ -102,25 +102,25 @@ class AttentionWeights:
         self._probs = None if probs is None else (probs, _version(probs))
         self._versions = _versions(inputs)
 
-    def _held(self) -> torch.Tensor | None:
-        """The whole weights (B, Hq, L, S) where they are kept: handed over by the
-        backend, or computed in one product on first use when small (small.one_product).
-        w.full() returns them without a copy; if someone changes them in place, they
-        are dropped (and recomputed)."""
-        if self._probs is not None:
-            p, version = self._probs
-            if _version(p) == version:
-                return p
-            self._probs = None
-        if not small.one_product(self._inputs):
+    def _kept(self) -> torch.Tensor | None:
+        """The whole weights (B, Hq, L, S) if kept (handed over by the backend, or
+        computed by _held), unless someone changed them in place since: w.full()
+        returns them without a copy, so they are then dropped (and recomputed)."""
+        if self._probs is None:
             return None
-        with torch.no_grad():
-            if self._inputs.query.is_cpu and not torch.is_autocast_enabled("cpu"):
+        p, version = self._probs
+        if _version(p) == version:
+            return p
+        self._probs = None
+        return None
+
+    def _held(self) -> torch.Tensor | None:
+        """_kept, else computed in one product and kept where small (small.one_product)."""
+        p = self._kept()
+        if p is None and small.one_product(self._inputs):
+            with torch.no_grad(), no_autocast(self.device.type):
                 p = small.probabilities(self._inputs)
-            else:
-                with no_autocast(self.device.type):
-                    p = small.probabilities(self._inputs)
-        self._probs = (p, _version(p))
+            self._probs = (p, _version(p))
         return p
 
     def _hand_out(self, view: torch.Tensor) -> torch.Tensor:
@@ -179,28 +179,25 @@ class AttentionWeights:
         """The dense weights, (*lead, L, S). Refuses, before allocating anything, when
         they need more than max_bytes (None: no limit)."""
         self._check_fresh()
-        kept = self._probs
-        if kept is not None and kept[1] is not None and len(self._inputs.lead) == 2:
-            p, version = kept  # the common case, decided without reshaping anything
-            if p._version == version and (
-                max_bytes is None or p.numel() * p.element_size() <= max_bytes
-            ):
-                return p  # no copy: if the caller changes it, _held notices
-        check_fits(
-            f"the dense weights in {self.dtype}",
-            tuple(self.shape),
-            torch.finfo(self.dtype).bits // 8,
-            max_bytes,
-            "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), w.mean(dim=-2), "
-            "w.entropy() and w.topk(k) work in O(chunk x S) memory; or pass max_bytes=None",
-        )
-        if self._shape_only:
-            return self._zeros(*self.shape[len(self._inputs.lead) :])
-        p = self._held()
-        if p is not None:  # no copy: if the caller changes it, _held notices
-            return self._hand_out(p.reshape(self.shape))
-        with torch.no_grad(), no_autocast(self.device.type):  # every row: no selection
-            return rows.dense(self._rows()).reshape(self.shape)  # (*lead, L, S)
+        p = self._kept()  # (nothing to allocate: the budget needs no check within it)
+        if p is None or (max_bytes is not None and p.numel() * p.element_size() > max_bytes):
+            check_fits(
+                f"the dense weights in {self.dtype}",
+                tuple(self.shape),
+                torch.finfo(self.dtype).bits // 8,
+                max_bytes,
+                "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), "
+                "w.mean(dim=-2), w.entropy() and w.topk(k) work in O(chunk x S) memory; "
+                "or pass max_bytes=None",
+            )
+            if self._shape_only:
+                return self._zeros(*self.shape[len(self._inputs.lead) :])
+            p = self._held()
+            if p is None:
+                with torch.no_grad(), no_autocast(self.device.type):  # every row at once
+                    return rows.dense(self._rows()).reshape(self.shape)  # (*lead, L, S)
+        # no copy (if the caller changes it, _kept notices)
+        return self._hand_out(p if len(self._inputs.lead) == 2 else p.reshape(self.shape))
 
     def __getitem__(self, index: object) -> torch.Tensor:
         """Only the selected rows, computed from the LSE: ints and slices address the

@@ -32,6 +32,18 @@ class Piece(NamedTuple):
     masked: bool  # False: every key in the span is visible to every query
 
 
+def whole(mask: torch.Tensor | masks.Mask | None, L: int) -> bool:
+    """Whether the kernel takes the mask as it is, decided without reading it: no mask;
+    a mask tensor over at most one query block (decoding, short texts), whose scan
+    would cost more than the keys it could skip; or a mask tensor while torch.compile
+    traces (a plan read from data cannot live in a graph, and L is not guarded on)."""
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor):
+        return False
+    return torch.compiler.is_compiling() or L <= BLOCK_Q
+
+
 def structure(inputs: Inputs) -> torch.Tensor | None:
     """(Bm, nQ, nK) block occupancy of everything that masks these inputs (mask and
     causal flag), or None where there is no structure to use (no mask, a float mask, a
@@ -43,8 +55,8 @@ def structure(inputs: Inputs) -> torch.Tensor | None:
     if isinstance(mask, masks.Mask):
         parts.append(mask.blocks(L, S, BLOCK_Q, BLOCK_K))
     elif mask is not None and mask.dtype == torch.bool:
-        if L <= BLOCK_Q:  # one query block (decoding, short texts): a scan of the
-            return None  # tensor costs more than the keys it could skip; decided from L
+        if whole(mask, L):
+            return None
         parts.append(_tensor_blocks(mask))
     elif mask is not None:
         return None  # additive float mask: no structure we can read cheaply

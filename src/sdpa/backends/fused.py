@@ -210,7 +210,7 @@ class Fused(Backend):
                 H.__class__ is int  # sizes known (not traced): the checks below are plain
                 and H and L and E and k.shape[2]
                 and E == v.shape[3]
-                and (mask is None or (mask.__class__ is torch.Tensor and L <= blocks.BLOCK_Q))
+                and blocks.whole(mask, L)
                 and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
             ):  # fmt: skip
                 if mask is not None:
@@ -228,8 +228,7 @@ class Fused(Backend):
         Ev = inputs.value.shape[-1]
         mask = inputs.mask
         L, S = q.shape[2], k.shape[2]
-        if mask is None or (mask.__class__ is torch.Tensor and L <= blocks.BLOCK_Q):
-            # no block to skip (decided from shapes): one call, causal or not
+        if blocks.whole(mask, L):  # no block to skip: one call, causal or not
             mask = blocks.additive(mask, q.dtype)
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
             return (out if out.shape[-1] == Ev else out[..., :Ev]), lse
