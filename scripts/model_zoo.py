@@ -94,6 +94,21 @@ def _drive(types: queue.Queue, results: list, args) -> None:
         proc.wait()
 
 
+def _drift(results: list[dict], status: str, listed, now: str) -> dict[str, list[str]]:
+    """The model types with `status` that the reviewed list lacks, and the listed ones
+    whose status is no longer that (entries to add to or drop from tests/zoo.py)."""
+    return {
+        f"{status}, not listed": sorted(
+            r["model_type"]
+            for r in results
+            if r["status"] == status and r["model_type"] not in listed
+        ),
+        f"listed {status}, {now}": sorted(
+            r["model_type"] for r in results if r["status"] != status and r["model_type"] in listed
+        ),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, help="write the results here")
@@ -133,26 +148,8 @@ def main() -> None:
     }
     # the reviewed lists in tests/zoo.py against what ran: entries to add or drop
     drift = {
-        "cannot apply, not listed": sorted(
-            r["model_type"]
-            for r in results
-            if r["status"] == "cannot apply" and r["model_type"] not in zoo.CANNOT_APPLY
-        ),
-        "listed cannot apply, runs now": sorted(
-            r["model_type"]
-            for r in results
-            if r["status"] != "cannot apply" and r["model_type"] in zoo.CANNOT_APPLY
-        ),
-        "not routed, not listed": sorted(
-            r["model_type"]
-            for r in results
-            if r["status"] == "not routed" and r["model_type"] not in zoo.NOT_ROUTED
-        ),
-        "listed not routed, routed now": sorted(
-            r["model_type"]
-            for r in results
-            if r["status"] != "not routed" and r["model_type"] in zoo.NOT_ROUTED
-        ),
+        **_drift(results, "cannot apply", zoo.CANNOT_APPLY, "runs now"),
+        **_drift(results, "not routed", zoo.NOT_ROUTED, "routed now"),
     }
     print()
     for k, v in summary.items():
