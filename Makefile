@@ -14,7 +14,7 @@ KVENV := .venv-kvpress
 KVPY := $(KVENV)/bin/python
 KVPIP := $(KVPY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean chromium
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
-	$(PIP) install -e '.[dev,plot,hf,gpu,viewers]'
+	$(PIP) install -e '.[dev,plot,hf,gpu,viewers,diffusers,browser,docs]'
 	touch $@
 
 $(KVENV)/.torch:
@@ -34,10 +34,18 @@ $(KVENV)/.kvpress: $(KVENV)/.torch pyproject.toml
 	$(KVPIP) install -e '.[kvpress]' 'pytest>=8'
 	touch $@
 
+# The browser tests (`sdpa view`) drive Debian's Chromium: installed here when missing and
+# we can (root with apt-get); otherwise they skip, saying how to get it.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } \
+		|| echo "make: chromium not installed (sudo apt-get install chromium): the browser tests will skip"
+
 demo: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m sdpa demo
 
-test: $(VENV)/.dev $(KVENV)/.kvpress
+test: $(VENV)/.dev $(KVENV)/.kvpress chromium
 	$(PY) -m ruff check src tests benchmarks scripts
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 	HF_HUB_OFFLINE=1 $(KVPY) -m pytest -q -m kvpress tests/test_kvpress.py
