@@ -37,6 +37,10 @@ class Rows(NamedTuple):
     structured mask (batch dim B, if any), or None; q_pos (n,): the rows' query
     positions among the L of the attention; causal: top-left causal masking on top.
     softcap and sinks as in sdpa.masks.ScoreMod (lse includes the sinks).
+    A selection of keys (reads over the key dim, w[..., J]): k (B, Hkv, m, E) holds
+    them, k_pos (m,) their positions among the S keys of the attention, the tensor mask
+    its m columns; rows then cost O(n x m). Exact rows (|lse| > EXACT_LSE_LIMIT)
+    need every key: such a selection is refused (callers read whole rows instead).
     """
 
     q: torch.Tensor
@@ -50,6 +54,13 @@ class Rows(NamedTuple):
     dtype: torch.dtype  # compute dtype: float32 for 16-bit inputs
     softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) before the mask
     sinks: torch.Tensor | None = None  # (B, H, n|1) sink logits, already inside lse
+    k_pos: torch.Tensor | None = None  # (m,) positions of the keys in k; None: 0..S-1
+    S: int | None = None  # the attention's key count when k holds a selection
+
+    @property
+    def key_count(self) -> int:
+        """S of the attention (not of the selection k holds)."""
+        return self.k.shape[2] if self.S is None else self.S
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -82,7 +93,7 @@ class Rows(NamedTuple):
             k = self.k[b : b + 1]
         mask = self.mask
         if isinstance(mask, masks.Mask):
-            keep = mask.keep(self.q_pos[rows], _key_positions(self), self.L, self.k.shape[2])
+            keep = mask.keep(self.q_pos[rows], _key_positions(self), self.L, self.key_count)
             mask = keep[b if keep.shape[0] > 1 else 0][None, None]  # (1, 1, r, S)
         elif mask is not None:
             mb = slice(b, b + 1) if mask.shape[0] > 1 else slice(0, 1)
@@ -100,12 +111,13 @@ class Rows(NamedTuple):
         """A structured mask materialised for these rows: (B|1, 1, n, S) bool."""
         if not isinstance(self.mask, masks.Mask):
             return self
-        keep = self.mask.keep(self.q_pos, _key_positions(self), self.L, self.k.shape[2])
+        keep = self.mask.keep(self.q_pos, _key_positions(self), self.L, self.key_count)
         return self._replace(mask=keep[:, None])
 
 
 def _key_positions(r: Rows) -> torch.Tensor:
-    return torch.arange(r.k.shape[2], device=r.k.device)
+    """(m,) positions among the attention's S of the keys k holds."""
+    return torch.arange(r.k.shape[2], device=r.k.device) if r.k_pos is None else r.k_pos
 
 
 def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,6 +154,8 @@ def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor
     inexact = r.lse.abs() > EXACT_LSE_LIMIT  # (B, H, n)
     exact = None
     if inexact.any():
+        if r.k_pos is not None:  # see needs_every_key
+            raise ValueError("rows with |lse| > EXACT_LSE_LIMIT need every key, not a selection")
         exact = _exclude(t.clone(), r)
         if r.sinks is not None:  # the sink's column in the denominator
             column = r.sinks[..., None].to(exact.dtype).expand(*exact.shape[:-1], 1)
@@ -154,6 +168,12 @@ def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor
     if exact is not None:
         torch.where(inexact[..., None], exact, t, out=t)
     return t
+
+
+def needs_every_key(lse: torch.Tensor) -> bool:
+    """Whether rows with this LSE are recomputed exactly (log_softmax over all their
+    keys), so a selection of keys cannot serve them."""
+    return bool((lse.abs() > EXACT_LSE_LIMIT).any())
 
 
 def probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,7 +248,7 @@ def topk(r: Rows, k: int, budget: int = CHUNK_BYTES) -> tuple[torch.Tensor, torc
 def _exclude(t: torch.Tensor, r: Rows) -> torch.Tensor:
     """-inf, in place, where causality or a bool mask excludes a key."""
     if r.causal:  # top-left: the query at position p sees keys j <= p
-        t.masked_fill_(torch.arange(t.shape[-1], device=t.device) > r.q_pos[:, None], -torch.inf)
+        t.masked_fill_(_key_positions(r) > r.q_pos[:, None], -torch.inf)
     if r.mask is not None and r.mask.dtype == torch.bool:
         t.masked_fill_(~r.mask, -torch.inf)
     return t

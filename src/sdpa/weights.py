@@ -202,16 +202,19 @@ class AttentionWeights:
     def __getitem__(self, index: object) -> torch.Tensor:
         """Only the selected rows, computed from the LSE: ints and slices address the
         leading dims and the query dim, e.g. w[0, :, 5] -> (H, S), w[0, 1, 10:20] ->
-        (10, S); an index for the key dim applies to the computed rows."""
+        (10, S). The key dim takes an int, a slice or a list / 1-D integer tensor of key
+        indices, and only those columns are computed: w[0, :, :, j] -> (H, L) and
+        w[..., [j1, j2]] -> (..., L, 2) cost O(L x |J|), not O(L x S)."""
         self._check_fresh()
         i = self._inputs
-        lead, L = i.lead, i.query.shape[-2]
+        lead, L, S = i.lead, i.query.shape[-2], i.key.shape[-2]
         *lead_idx, q_idx, k_idx = _normalize_index(index, self.shape)
         if self._shape_only:
-            return self._zeros(*self.shape[len(lead) :])[(*lead_idx, q_idx, k_idx)]
+            return self._zeros(*self.shape[len(lead) :])[(*lead_idx, q_idx)][..., k_idx]
         held = self._held()
         if held is not None:  # a view of the weights the backend kept
-            return self._hand_out(held.reshape(self.shape)[(*lead_idx, q_idx, k_idx)])
+            picked = held.reshape(self.shape)[(*lead_idx, q_idx)][..., k_idx]
+            return self._hand_out(picked)
         has_heads = len(lead) >= 2  # 4-D+ inputs: lead is (*batch, Hq)
         batch, batch_idx = (lead[:-1], lead_idx[:-1]) if has_heads else (lead, lead_idx)
         head_idx = lead_idx[-1] if has_heads else slice(None)
@@ -229,21 +232,28 @@ class AttentionWeights:
             return t if rows is None else t[:, :, rows]
 
         heads, rows_ = _as_slice(head_idx), _as_slice(q_idx)
+        lse = pick(self._log_sum_exp()[..., None], heads, rows_)[..., 0]  # (B', H', n)
+        # a selection of keys, unless every key is asked for, or a row needs every key
+        every_key = (
+            isinstance(k_idx, slice) and range(*k_idx.indices(S)) == range(S)
+        ) or rows.needs_every_key(lse)
+        k_pos = None if every_key else _key_positions(k_idx, S, i.key.device)  # (m,)
         k = _key_heads(
             pick(i.key, None, None), i.query.shape[1], i.group, heads
         )  # (B', Hkv', S, E)
         q_pos = torch.arange(L, device=i.query.device)[rows_]
         mask = i.mask
-        if isinstance(mask, masks.Mask):  # materialise just the selected rows
-            S = i.key.shape[2]
-            mask = mask.keep(q_pos, torch.arange(S, device=q_pos.device), L, S)[:, None]
-            mask = pick(mask, heads, None)  # (B', 1, n, S)
+        if isinstance(mask, masks.Mask):  # materialise just the selected rows and keys
+            keys = torch.arange(S, device=q_pos.device) if k_pos is None else k_pos
+            mask = mask.keep(q_pos, keys, L, S)[:, None]
+            mask = pick(mask, heads, None)  # (B', 1, n, m)
         elif mask is not None:
             mask = pick(mask, heads, rows_)  # (B'|1, H'|1, n, S)
+            mask = mask if k_pos is None else mask.index_select(-1, k_pos)  # (..., n, m)
         selection = rows.Rows(
             pick(i.query, heads, rows_),  # (B', H', n, E)
-            k,
-            pick(self._log_sum_exp()[..., None], heads, rows_)[..., 0],  # (B', H', n)
+            k if k_pos is None else k.index_select(2, k_pos),  # (B', Hkv', m, E)
+            lse,
             mask,
             q_pos,
             i.causal,
@@ -256,14 +266,18 @@ class AttentionWeights:
             else pick(
                 i.sinks.detach(), heads, None if i.sinks.shape[-1] == 1 else rows_
             ),  # (B', H', n|1)
+            k_pos,
+            None if k_pos is None else S,
         )
         with torch.no_grad(), no_autocast(self.device.type):
-            p = rows.dense(selection)  # (B', H', n, S)
+            p = rows.dense(selection)  # (B', H', n, S|m)
         # int indices drop their dim, as in torch
-        p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, S)
+        p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, S|m)
         drop = [*batch_idx, head_idx, q_idx] if has_heads else [*batch_idx, 0, q_idx]
         p = p[tuple(0 if isinstance(d, int) else slice(None) for d in drop)]
-        return p[..., k_idx]
+        if k_pos is None:
+            return p[..., k_idx]
+        return p[..., 0] if isinstance(k_idx, int) else p
 
     def sum(self, dim: int = -2) -> torch.Tensor:
         """Attention each key receives, summed over the queries: (*lead, S).
@@ -515,8 +529,42 @@ def _as_slice(index: int | slice) -> slice:
     return slice(index, index + 1) if isinstance(index, int) else index
 
 
-def _normalize_index(index: object, shape: torch.Size) -> list[int | slice]:
-    """One int (non-negative, in range) or slice (positive step) per dim of `shape`."""
+def _key_positions(index: int | slice | torch.Tensor, S: int, device: torch.device) -> torch.Tensor:
+    """The positions (m,) that a key-dim index selects among S keys."""
+    if isinstance(index, torch.Tensor):
+        return index.to(device)
+    return torch.arange(S, device=device)[_as_slice(index)]
+
+
+def _key_list(item: object, size: int) -> torch.Tensor | None:
+    """A list, range or 1-D integer tensor / array of key indices -> (m,) int64 on the
+    CPU, negatives wrapped; None for anything else."""
+    if isinstance(item, list | range):
+        if not all(isinstance(j, int) and not isinstance(j, bool) for j in item):
+            raise SdpaTypeError(
+                f"a list of key indices takes ints, got {[type(j).__name__ for j in item]}"
+            )
+        t = torch.tensor(list(item), dtype=torch.long)
+    elif isinstance(item, torch.Tensor) or type(item).__name__ == "ndarray":
+        t = torch.as_tensor(item)
+        if t.ndim != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise SdpaTypeError(
+                f"the key dim takes a 1-D integer tensor of key indices, got "
+                f"{tuple(t.shape)} {t.dtype}; for a boolean selection pass "
+                f"sel.nonzero()[:, 0]"
+            )
+        t = t.to("cpu", torch.long)
+    else:
+        return None
+    if t.numel() and not bool(((t >= -size) & (t < size)).all()):
+        bad = t[(t < -size) | (t >= size)][0].item()
+        raise IndexError(f"key index {bad} is out of bounds for the key dim with size {size}")
+    return t % size if t.numel() else t
+
+
+def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | torch.Tensor]:
+    """One int (non-negative, in range) or slice (positive step) per dim of `shape`; the
+    key dim (the last) may also be a (m,) int64 tensor of key indices."""
     items = list(index) if isinstance(index, tuple) else [index]
     if sum(item is Ellipsis for item in items) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
@@ -528,6 +576,11 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice]:
     items += [slice(None)] * (len(shape) - len(items))
     out: list[int | slice] = []
     for dim, (item, size) in enumerate(zip(items, shape, strict=True)):
+        if dim == len(shape) - 1:
+            keys = _key_list(item, size)
+            if keys is not None:
+                out.append(keys)
+                continue
         tensor_with_dims = isinstance(item, torch.Tensor) and item.ndim > 0
         if (
             not isinstance(item, bool | slice)
@@ -539,8 +592,9 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice]:
         if isinstance(item, bool) or not isinstance(item, int | slice):
             raise SdpaTypeError(
                 f"AttentionWeights takes ints, slices and '...' as indices (they choose which "
-                f"rows to compute), got {type(item).__name__} for dim {dim}; index the "
-                f"resulting tensor for anything else"
+                f"rows to compute; the key dim also a list or 1-D integer tensor of keys), got "
+                f"{type(item).__name__} for dim {dim}; index the resulting tensor for anything "
+                f"else"
             )
         if isinstance(item, int):
             if not -size <= item < size:
