@@ -18,18 +18,20 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
 @pytest.fixture(autouse=True)
-def _engines_for_long_inputs(request, monkeypatch):
+def _engines_for_long_inputs(request):
     """Tests use small sizes to run fast, yet most must exercise the engines long inputs
     take (torch's fused kernel, the block planner, the row engine): below the small
     backend's thresholds those would never run. So the small backend and the one-product
     weights are off, unless a test (or module) is marked `small_shapes`: there they run
     at their real thresholds, as users get them."""
-    if request.node.get_closest_marker("small_shapes") is None:
-        from sdpa.backends import small
+    if request.node.get_closest_marker("small_shapes") is not None:
+        yield
+        return
+    import sdpa.settings
 
-        monkeypatch.setattr(small, "SMALL_WEIGHTS", 0)
-        monkeypatch.setattr(small, "SMALL_HEAD", 0)
-        monkeypatch.setattr(small, "ONE_PRODUCT_WEIGHTS", 0)
+    # (a fixture runs in the test's context: the override holds for the test body)
+    with sdpa.settings.override(small_weights=0, small_head=0, one_product_weights=0):
+        yield
 
 
 MASK_KINDS = ["none", "bool", "int", "float", "float_inf", "key_padding", "2d", "dead_rows"]

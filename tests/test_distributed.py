@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ring_cases
+import sdpa
 from sdpa import distributed as sd
 
 pytestmark = pytest.mark.skipif(
@@ -227,14 +228,12 @@ def test_ring_attention_without_a_process_group_says_how_to_start_one():
 
 @pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one_chunk", "row_by_row"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_math_block_kernels_match_the_fused_ones(gen, monkeypatch, causal, chunk_bytes):
+def test_the_math_block_kernels_match_the_fused_ones(gen, causal, chunk_bytes):
     """The kernels ring attention uses off CPU (plain torch ops, e.g. CUDA with NCCL)
     against torch's fused CPU kernels, forward and backward, with GQA, a -inf bias and
     a row that sees no key; in one chunk of rows and row by row."""
+    from sdpa.backends import aten
     from sdpa.distributed import kernels
-
-    if chunk_bytes is not None:
-        monkeypatch.setattr(kernels, "MATH_CHUNK_BYTES", chunk_bytes)
 
     B, Hq, Hkv, r, c, D = 2, 4, 2, 7, 7, 8
     q, dout = torch.randn(B, Hq, r, D, generator=gen), torch.randn(B, Hq, r, D, generator=gen)
@@ -242,13 +241,15 @@ def test_the_math_block_kernels_match_the_fused_ones(gen, monkeypatch, causal, c
     keep = torch.rand(B, r, c, generator=gen) < 0.7
     keep[:, 2] = causal  # row 2 sees no key unless causal keeps the diagonal alive
     bias = torch.where(keep, 0.0, -torch.inf)[:, None]  # (B, 1, r, c)
-    fused = kernels._cpu_forward(q, k, v, 0.0, causal, attn_mask=bias, scale=0.4)
-    math = kernels._math_forward(q, k, v, bias, causal, 0.4)
+    fused = aten.CPU_FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=0.4)
+    out, lse = fused
+    grads = aten.CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=0.4)
+    chunking = {} if chunk_bytes is None else {"math_chunk_bytes": chunk_bytes}
+    with sdpa.settings.override(**chunking):
+        math = kernels._math_forward(q, k, v, bias, causal, 0.4)
+        mine = kernels._math_backward(dout, q, k, v, out, lse, bias, causal, 0.4)
     for a, b in zip(fused, math, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    out, lse = fused
-    grads = kernels._cpu_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=0.4)
-    mine = kernels._math_backward(dout, q, k, v, out, lse, bias, causal, 0.4)
     for a, b in zip(grads, mine, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import sdpa
-from sdpa.backends import chunked
 
 from oracle import oracle
 
@@ -107,15 +106,15 @@ def test_block_edges_and_one_query(L, S):
 
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 7, 16])
-def test_chunked_backend_on_chunk_edges(monkeypatch, rows_per_chunk):
+def test_chunked_backend_on_chunk_edges(rows_per_chunk):
     """Several chunks of rows, the last one short; causality continues across chunks."""
     B, H, S = 2, 4, 53
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", rows_per_chunk * B * H * S * 4 * 3)
     torch.manual_seed(rows_per_chunk)
-    for mask_kind in ["causal", "float", "dead"]:
-        run_case("chunked", mask_kind, 4.0, "row", L=37, S=S, B=B, H=H)
-    q, k, v = torch.randn(B, H, 37, 8), torch.randn(B, H, 37, 8), torch.randn(B, H, 37, 8)
-    out = sdpa.attention(q, k, v, sdpa.masks.softcap(3.0), causal=True, backend="chunked")[0]
+    with sdpa.settings.override(chunk_bytes=rows_per_chunk * B * H * S * 4 * 3):
+        for mask_kind in ["causal", "float", "dead"]:
+            run_case("chunked", mask_kind, 4.0, "row", L=37, S=S, B=B, H=H)
+        q, k, v = torch.randn(B, H, 37, 8), torch.randn(B, H, 37, 8), torch.randn(B, H, 37, 8)
+        out = sdpa.attention(q, k, v, sdpa.masks.softcap(3.0), causal=True, backend="chunked")[0]
     ref = oracle(q, k, v, causal=True, softcap=3.0)[0]
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
 

@@ -15,6 +15,7 @@ import sdpa
 from sdpa import listing, masks
 from sdpa.backends import blocks, select, select_fast, small
 from sdpa.inputs import fast_normalize, normalize
+from sdpa.settings import override
 
 from conftest import MASK_KINDS, make_inputs, randn
 from oracle import oracle
@@ -143,31 +144,29 @@ def test_decode_weights_come_from_one_product_after_the_fused_kernel(gen, mask_k
     torch.testing.assert_close(w.lse.double(), lse_of(q, k, mask), atol=ATOL, rtol=0)
 
 
-def test_the_thresholds_are_decided_on_their_edges(gen, monkeypatch):
-    """B * Hq * L * S at, under and over SMALL_WEIGHTS; L * S at SMALL_HEAD; L == 1 goes
+def test_the_thresholds_are_decided_on_their_edges(gen):
+    """B * Hq * L * S at, under and over small_weights; L * S at small_head; L == 1 goes
     to the fused kernel;
-    causal beyond SMALL_CAUSAL; the one-product weights at ONE_PRODUCT_WEIGHTS."""
+    causal beyond small_causal; the one-product weights at one_product_weights."""
     q, k, v, _ = make_inputs(gen, B=2, Hq=3, L=8, S=8)
     scores = 2 * 3 * 8 * 8
     for limit, name in ((scores, "small"), (scores - 1, "fused"), (scores + 1, "small")):
-        monkeypatch.setattr(small, "SMALL_WEIGHTS", limit)
-        assert select(normalize(q, k, v)).name == name
-        assert select_fast(fast_normalize(q, k, v)).name == name
-    monkeypatch.setattr(small, "SMALL_WEIGHTS", 2**21)
+        with override(small_weights=limit):
+            assert select(normalize(q, k, v)).name == name
+            assert select_fast(fast_normalize(q, k, v)).name == name
     for limit, name in ((64, "small"), (63, "fused")):  # L * S of one head
-        monkeypatch.setattr(small, "SMALL_HEAD", limit)
-        assert select(normalize(q, k, v)).name == name
-    monkeypatch.setattr(small, "SMALL_HEAD", 2**16)
+        with override(small_head=limit):
+            assert select(normalize(q, k, v)).name == name
     assert select(normalize(q[:, :, :1], k, v)).name == "fused"  # one query row
-    monkeypatch.setattr(small, "SMALL_CAUSAL", 64)
-    assert select(normalize(q, k, v, causal=True)).name == "small"
-    monkeypatch.setattr(small, "SMALL_CAUSAL", 63)
-    assert select(normalize(q, k, v, causal=True)).name == "fused"
-    assert select(normalize(q, k, v, masks.causal())).name == "fused"
-    assert select(normalize(q, k, v, torch.ones(8, 8, dtype=torch.bool))).name == "small"
+    with override(small_causal=64):
+        assert select(normalize(q, k, v, causal=True)).name == "small"
+    with override(small_causal=63):
+        assert select(normalize(q, k, v, causal=True)).name == "fused"
+        assert select(normalize(q, k, v, masks.causal())).name == "fused"
+        assert select(normalize(q, k, v, torch.ones(8, 8, dtype=torch.bool))).name == "small"
     for limit, kept in ((scores, True), (scores - 1, False)):
-        monkeypatch.setattr(small, "ONE_PRODUCT_WEIGHTS", limit)
-        assert small.one_product(normalize(q, k, v)) is kept
+        with override(one_product_weights=limit):
+            assert small.one_product(normalize(q, k, v)) is kept
 
 
 def test_kept_weights_are_handed_out_without_a_copy_and_dropped_when_changed(gen):

@@ -204,8 +204,8 @@ def kernel_calls(monkeypatch):
 
     spy(stats_mod, "forward_stats")
     spy(received_mod, "received")
-    monkeypatch.setattr(weights, "KERNEL_DEVICES", {"cpu"})
-    return calls
+    with sdpa.settings.override(kernel_devices={"cpu"}):
+        yield calls
 
 
 def _chunked(w, what):

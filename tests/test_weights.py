@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -218,15 +216,15 @@ STAT_BUDGET = 2**18  # a small chunk budget: 64 rows of 1024 keys in float32
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "float", "causal", "documents"])
-def test_statistics_never_allocate_the_weights(gen, monkeypatch, mask_kind):
+def test_statistics_never_allocate_the_weights(gen, mask_kind):
     """Where the dense weights exceed the chunk budget, no aten op that entropy, sum,
     topk or amax runs allocates more than the budget (or than the forward call did): not
     (L, S) of one head, not its mask, not the dense weights."""
-    from sdpa import rows
+    with sdpa.settings.override(chunk_bytes=STAT_BUDGET):  # the engine, on a small budget
+        _statistics_never_allocate_the_weights(gen, mask_kind)
 
-    for name in ("key_sums", "entropy", "topk", "dense"):  # the engine, on a small budget
-        monkeypatch.setattr(rows, name, functools.partial(getattr(rows, name),
-                                                          budget=STAT_BUDGET))  # fmt: skip
+
+def _statistics_never_allocate_the_weights(gen, mask_kind):
     B, Hq, Hkv, L, E = 1, 4, 2, 1024, 8
     q = torch.randn(B, Hq, L, E, generator=gen)
     k = torch.randn(B, Hkv, L, E, generator=gen)
@@ -377,10 +375,11 @@ def test_statistics_take_the_chunked_path_in_tiles(gen):
     assert len(list(r.tiles(budget))) == 2 * 4 * 8
     ref_p = oracle(q, k, v, mask)[1]
     ref_sum, _, ref_entropy, ref_top = dense_stats(ref_p, 4)
-    torch.testing.assert_close(rows.key_sums(r, budget).double(), ref_sum, atol=1e-4, rtol=0)
-    torch.testing.assert_close(rows.entropy(r, budget).double(), ref_entropy, atol=1e-4, rtol=0)
-    torch.testing.assert_close(rows.topk(r, 4, budget)[0].double(), ref_top, atol=2e-5, rtol=0)
-    torch.testing.assert_close(rows.dense(r, budget).double(), ref_p, atol=2e-5, rtol=0)
+    with sdpa.settings.override(chunk_bytes=budget):
+        torch.testing.assert_close(rows.key_sums(r).double(), ref_sum, atol=1e-4, rtol=0)
+        torch.testing.assert_close(rows.entropy(r).double(), ref_entropy, atol=1e-4, rtol=0)
+        torch.testing.assert_close(rows.topk(r, 4)[0].double(), ref_top, atol=2e-5, rtol=0)
+        torch.testing.assert_close(rows.dense(r).double(), ref_p, atol=2e-5, rtol=0)
 
 
 def test_full_refuses_over_budget_before_allocating(gen):

@@ -11,7 +11,8 @@ import math
 
 from sdpa.errors import SdpaTypeError, WeightsTooLargeError
 
-DEFAULT_MAX_BYTES = 2**30
+GIB = 2**30
+DEFAULT_MAX_BYTES = GIB  # a default argument (pass max_bytes per call), not a setting
 
 
 def check_max_bytes(max_bytes: object) -> int | None:
@@ -33,6 +34,6 @@ def check_fits(what: str, shape: tuple[int, ...], itemsize: int, max_bytes: obje
     need = math.prod(shape) * itemsize
     if limit is not None and need > limit:
         raise WeightsTooLargeError(
-            f"{what} {tuple(shape)} need {need:,} bytes ({need / 2**30:.2f} GiB), over "
+            f"{what} {tuple(shape)} need {need:,} bytes ({need / GIB:.2f} GiB), over "
             f"max_bytes={limit:,}. {hint}"
         )

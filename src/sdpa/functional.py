@@ -20,7 +20,7 @@ class AttentionResult(NamedTuple):
     weights: AttentionWeights  # lazy (..., L, S)
 
 
-def _fused(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+def fused_runner(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The fused backend on (B, H, L, D) inputs, or None where it can't run them: how
     AttentionWeights computes some statistics with one more fused call."""
     if BACKENDS["fused"].not_supported_reasons(inputs):
@@ -88,7 +88,7 @@ def attention(
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
     inputs, out, lse, p = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
-    return AttentionResult(out, AttentionWeights(inputs, lse, _fused, p))
+    return AttentionResult(out, AttentionWeights(inputs, lse, fused_runner, p))
 
 
 def scaled_dot_product_attention(

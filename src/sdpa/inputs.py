@@ -30,6 +30,13 @@ from sdpa.errors import SdpaTypeError, SdpaValueError
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax statistics are computed in for inputs of `dtype`: float32 for
+    16-bit inputs, else the input dtype. The one definition: every backend calls it."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
 # Sizes may be symbolic under torch.export / torch.compile, and data dependent (an
 # unbacked batch size after boolean indexing): a Python `if` on such a size cannot be
 # decided. `known(cond)` is the condition where it can be decided and False where it
@@ -70,7 +77,7 @@ class Inputs(NamedTuple):
     @property
     def compute_dtype(self) -> torch.dtype:
         """float32 for 16-bit inputs (softmax statistics), else the input dtype."""
-        return torch.float32 if self.query.dtype in HALF_DTYPES else self.query.dtype
+        return compute_dtype(self.query.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -252,7 +259,7 @@ def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
     return mask
 
 
-def _check_structured(mask: masks.Mask, batch: tuple[int, ...], L: int, S: int) -> None:
+def check_structured(mask: masks.Mask, batch: tuple[int, ...], L: int, S: int) -> None:
     mask.validate(L, S)
     if mask.batch is not None and batch != (mask.batch,):
         raise SdpaValueError(
@@ -270,7 +277,7 @@ def _normalize_mask(
         pass
     elif mask.is_floating_point():
         # float masks are added in the softmax precision (float32 for 16-bit inputs)
-        want = torch.float32 if query.dtype in HALF_DTYPES else query.dtype
+        want = compute_dtype(query.dtype)
         if mask.dtype not in (want, query.dtype):
             mask = mask.to(want)
     elif mask.is_complex():
@@ -316,7 +323,44 @@ def normalize(
     with L != S is top-left instead of refused, and `scale` and `dropout_p` may be any
     real number torch takes (bool, inf and nan included). gqa: allow Hkv < Hq (the
     drop-in's enable_gqa); Hkv == 1 always broadcasts.
+
+    The steps, in the order errors are reported: types, autocast, dtypes and devices,
+    sizes and layout (`_Shape`), the mask, causality, scale and dropout, then the 4-D
+    views (`_lay_out`). `fast_normalize` gives the same record for the common calls.
     """
+    query, key, value, mask, mods = _check_types(query, key, value, mask, causal)
+    device = query.device
+    if autocast_enabled(device.type):
+        query, key, value, mask = autocast([query, key, value, mask], device.type)
+    _check_dtypes_devices(query, key, value)
+    shape = _shape_of(query, key, value, gqa)
+    mask = _check_mask(mask, query, shape)
+    _check_causal(causal, shape, torch_semantics)
+    scale = _check_scale(scale, shape.E, torch_semantics)
+    dropout_p = _check_dropout(dropout_p, torch_semantics)
+    return _lay_out(query, key, value, mask, mods, causal, scale, dropout_p, shape)
+
+
+class _Shape(NamedTuple):
+    """The sizes of a call, read from the user's shapes (see the module docstring)."""
+
+    batch: tuple[int, ...]  # batch dims, flattened to B
+    hq: int
+    hkv: int
+    has_heads: bool  # inputs of 4+ dims: dim -3 is heads
+    L: int
+    S: int
+    E: int
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The user-facing dims in front of (L, S)."""
+        return (*self.batch, self.hq) if self.has_heads else self.batch
+
+
+def _check_types(query, key, value, mask, causal):
+    """Plain tensors of 2+ dims, a mask sdpa can read, a bool causal flag ->
+    (query, key, value, mask, score mods or None), a ScoreMod's mask unwrapped."""
     query = _check_tensor("query", query)
     key = _check_tensor("key", key)
     value = _check_tensor("value", value)
@@ -325,22 +369,33 @@ def normalize(
         mods, mask = mask, mask.mask
     mask = _check_mask_type(mask)
     check_flag("causal", causal)
-    device = query.device
-    if autocast_enabled(device.type):
-        query, key, value, mask = autocast([query, key, value, mask], device.type)
-    _check_dtypes_devices(query, key, value)
+    return query, key, value, mask, mods
 
+
+def _shape_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gqa: bool) -> _Shape:
+    """Sizes that agree (E, S), batch dims that broadcast, heads that divide."""
     qs, ks, vs = _shape(query), _shape(key), _shape(value)
-    L, E = qs[-2:]
-    S = vs[-2]
     _check_sizes(qs, ks, vs)
     batch, hq, hkv, has_heads = _layout(qs, ks, vs, gqa)
-    lead = (*batch, hq) if has_heads else batch
+    return _Shape(batch, hq, hkv, has_heads, qs[-2], vs[-2], qs[-1])
 
+
+def _check_mask(
+    mask: torch.Tensor | masks.Mask | None, query: torch.Tensor, shape: _Shape
+) -> torch.Tensor | masks.Mask | None:
+    """A structured mask that fits (L, S) and the batch; a tensor mask as bool or
+    float in the softmax precision, broadcasting to the weights' shape."""
     if isinstance(mask, masks.Mask):
-        _check_structured(mask, batch, L, S)
-    elif mask is not None:
-        mask = _normalize_mask(mask, query, lead, L, S)
+        check_structured(mask, shape.batch, shape.L, shape.S)
+        return mask
+    if mask is None:
+        return None
+    return _normalize_mask(mask, query, shape.lead, shape.L, shape.S)
+
+
+def _check_causal(causal: bool, shape: _Shape, torch_semantics: bool) -> None:
+    """causal=True needs L == S, except in the drop-in (torch's top-left)."""
+    L, S = shape.L, shape.S
     if causal and not torch_semantics and L != S:
         raise SdpaValueError(
             f"causal=True needs as many queries as keys, got L={L} and S={S}: for L != S "
@@ -348,19 +403,22 @@ def normalize(
             f"mask=sdpa.masks.causal(align='bottom-right') (KV-cache decoding, "
             f"FlashAttention) or align='top-left' (torch's is_causal)"
         )
-    scale = _check_scale(scale, E, torch_semantics)
-    dropout_p = _check_dropout(dropout_p, torch_semantics)
 
-    q4 = _to_4d(query, batch, hq, has_heads)
-    k4 = _to_4d(key, batch, hkv, has_heads)
-    v4 = _to_4d(value, batch, hkv, has_heads)
+
+def _lay_out(query, key, value, mask, mods, causal, scale, dropout_p, shape: _Shape) -> Inputs:
+    """The checked arguments as `Inputs`, tensors as 4-D views (B, H, X, Y)."""
+    batch, hq, hkv, has_heads = shape.batch, shape.hq, shape.hkv, shape.has_heads
+    q4 = _to_4d(query, batch, hq, has_heads)  # (B, Hq, L, E)
+    k4 = _to_4d(key, batch, hkv, has_heads)  # (B, Hkv, S, E)
+    v4 = _to_4d(value, batch, hkv, has_heads)  # (B, Hkv, S, Ev)
     if isinstance(mask, torch.Tensor):
-        mask = _mask_to_4d(mask, batch, hq, has_heads, L, S)
+        mask = _mask_to_4d(mask, batch, hq, has_heads, shape.L, shape.S)  # (B|1, Hq|1, L, S)
+    lead = shape.lead
     if mods is None:
         return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead)
-    sinks = (
-        None if mods.sinks is None else _normalize_sinks(mods.sinks, query, lead, L, q4.shape[0])
-    )
+    sinks = mods.sinks
+    if sinks is not None:
+        sinks = _normalize_sinks(sinks, query, lead, shape.L, q4.shape[0])  # (B, Hq, L|1)
     return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead, mods.softcap, sinks)
 
 
@@ -445,10 +503,10 @@ def fast_normalize(
             or ms != S or not (mask.is_cpu if on_cpu else mask.device == query.device)
         ):  # fmt: skip
             return None
-        if md is not torch.bool:
-            want = torch.float32 if dtype in HALF_DTYPES else dtype
-            if (md is not dtype and md is not want) or mask.requires_grad:
-                return None
+        if md is not torch.bool and (
+            (md is not dtype and md is not compute_dtype(dtype)) or mask.requires_grad
+        ):
+            return None
         if ml != L:
             mask = mask.expand(mb, mh, L, S)
     return Inputs(query, key, value, mask, causal, scale, 0.0, (B, Hq))
@@ -467,7 +525,7 @@ def _normalize_sinks(
             f"sinks of shape {_shape(sinks)} do not broadcast to {target} (..., Hq, L, 1), "
             f"the extra column of the scores: pass (Hq, 1, 1) for one logit per head"
         )
-    want = torch.float32 if query.dtype in HALF_DTYPES else query.dtype
+    want = compute_dtype(query.dtype)
     rows = L if sinks.ndim >= 2 and sinks.shape[-2] != 1 else 1
     sinks = sinks.expand(*lead, rows, 1).reshape(B, -1, rows)  # (B, Hq, L|1)
     return sinks.to(want)

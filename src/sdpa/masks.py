@@ -24,6 +24,28 @@ EMPTY, PARTIAL, FULL = 0, 1, 2  # block occupancy
 ALIGNS = ("bottom-right", "top-left")
 
 
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Causal visibility, (len(q_pos), len(k_pos)) bool: key j is seen by query i when
+    j <= i + offset (offset = S - L for bottom-right, 0 for top-left). The one
+    definition: every backend, the weights engine and the masks call it.
+
+    q_pos = [0, 1], k_pos = [0, 1, 2], offset 0      offset 1
+        1 0 0                                        1 1 0
+        1 1 0                                        1 1 1
+    """
+    return k_pos[None, :] <= q_pos[:, None] + offset
+
+
+def top_left(L: int, S: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The top-left causal keep-mask (L, S) bool: query i sees keys j <= i."""
+    return visible(torch.arange(L, device=device), torch.arange(S, device=device))
+
+
+def as_4d(keep: torch.Tensor) -> torch.Tensor:
+    """A materialised mask, (L, S) or (B, 1, L, S), as (B|1, 1, L, S) (a view)."""
+    return keep if keep.ndim == 4 else keep[None, None]
+
+
 class Mask:
     """Base class. Subclasses implement `keep` and may answer `blocks` analytically."""
 
@@ -138,11 +160,10 @@ class _Band(Mask):
         return self.size is None and (self.align == "top-left" or L == S)
 
     def keep(self, q_pos, k_pos, L, S):
-        p = (q_pos + _offset(self.align, L, S))[:, None]  # (r, 1)
-        j = k_pos[None, :]  # (1, c)
-        keep = j <= p
-        if self.size is not None:
-            keep &= j > p - self.size
+        off = _offset(self.align, L, S)
+        keep = visible(q_pos, k_pos, off)  # (r, c)
+        if self.size is not None:  # and not further back than the window
+            keep &= visible(q_pos, k_pos, off - self.size).logical_not_()  # j <= p - size: too old
         return keep[None]  # (1, r, c)
 
     def blocks(self, L, S, bq, bk):

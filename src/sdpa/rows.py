@@ -3,8 +3,10 @@
 For query row i, with s_ij = scale * q_i . k_j + bias_ij and the row's log-sum-exp,
     log p_ij = s_ij - lse_i        p_ij = exp(s_ij - lse_i)
 so any row costs one GEMM and one exp. `Rows` is a selection of rows laid out
-(B, H, n, ...); the work is cut into tiles of at most `budget` bytes (a whole batch
-element when it fits, else row chunks of one head), so no statistic allocates L x S.
+(B, H, n, ...); the work is cut into tiles of at most `chunk_bytes` (sdpa.settings): a
+whole batch element when it fits, else row chunks of one head, so no statistic
+allocates L x S. The LSE limits below are the settings' fold_lse_limit and
+exact_lse_limit.
 """
 
 from __future__ import annotations
@@ -15,18 +17,10 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa import masks
+from sdpa import masks, settings
 from sdpa.inputs import sink_rows
 
 LOG2E = 1.0 / math.log(2.0)
-# Rows whose |lse| exceeds this are recomputed by a plain log-softmax of their scores:
-# there a float32 LSE has lost digits (a row masked with a large finite bias such as -1e9
-# or torch.finfo(dtype).min, or scores in the hundreds), so s - lse would be off.
-EXACT_LSE_LIMIT = 32.0
-# Tiles whose |lse| stays under this take the folded GEMM (error ~ eps * |lse| * a few,
-# < 5e-6 here); above it the scores mirror the kernel's rounding. See log2_probabilities.
-FOLD_LSE_LIMIT = 16.0
-CHUNK_BYTES = 64 * 2**20  # working memory of one tile
 
 
 class Rows(NamedTuple):
@@ -39,7 +33,7 @@ class Rows(NamedTuple):
     softcap and sinks as in sdpa.masks.ScoreMod (lse includes the sinks).
     A selection of keys (reads over the key dim, w[..., J]): k (B, Hkv, m, E) holds
     them, k_pos (m,) their positions among the S keys of the attention, the tensor mask
-    its m columns; rows then cost O(n x m). Exact rows (|lse| > EXACT_LSE_LIMIT)
+    its m columns; rows then cost O(n x m). Exact rows (|lse| > exact_lse_limit)
     need every key: such a selection is refused (callers read whole rows instead).
     """
 
@@ -68,7 +62,7 @@ class Rows(NamedTuple):
         B, H, n, _ = self.q.shape
         return B, H, n, self.k.shape[2]
 
-    def tiles(self, budget: int = CHUNK_BYTES) -> Iterator[tuple[int, slice, slice]]:
+    def tiles(self, budget: int) -> Iterator[tuple[int, slice, slice]]:
         """(b, heads, rows) pieces of at most `budget` bytes of weights: whole batch
         elements when one fits, else row chunks of one head at a time."""
         B, H, n, S = self.shape
@@ -126,16 +120,17 @@ def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor
     Two ways to the same numbers, both ending in exp2 (~3x faster than exp on CPU):
     - fold: the LSE folded into one GEMM, [c*scale*q_i, -c*lse_i] . [k_j, 1] =
       c*(s_ij - lse_i), c = log2(e). Fastest; its rounding grows like eps * |lse|, so it
-      serves tiles whose |lse| <= FOLD_LSE_LIMIT, without a softcap.
+      serves tiles whose |lse| <= fold_lse_limit, without a softcap.
     - mirror: the scores rounded as the fused kernel rounds the ones its LSE sums,
       s = fl(q.k * scale) + bias, then s - lse first (exact near the large weights,
       where s ~ lse), then * c: the kernel's own precision, for three more passes.
-    Rows with |lse| > EXACT_LSE_LIMIT are recomputed as log_softmax of their scores
-    (with the sink in the denominator).
+    Rows with |lse| > exact_lse_limit are recomputed as log_softmax of their scores
+    (with the sink in the denominator). (Limits: sdpa.settings.)
     """
     r = r.with_tensor_mask()
     additive = r.mask is not None and r.mask.dtype != torch.bool
-    if r.softcap is None and not (r.lse.abs() > FOLD_LSE_LIMIT).any():
+    tuning = settings.get()
+    if r.softcap is None and not (r.lse.abs() > tuning.fold_lse_limit).any():
         cd = r.dtype
         k = r.k.to(cd)
         q_aug = torch.cat(
@@ -151,11 +146,11 @@ def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor
         t.div_(r.softcap).tanh_().mul_(r.softcap)
     if additive:
         t.add_(r.mask)
-    inexact = r.lse.abs() > EXACT_LSE_LIMIT  # (B, H, n)
+    inexact = r.lse.abs() > tuning.exact_lse_limit  # (B, H, n)
     exact = None
     if inexact.any():
         if r.k_pos is not None:  # see needs_every_key
-            raise ValueError("rows with |lse| > EXACT_LSE_LIMIT need every key, not a selection")
+            raise ValueError("rows with |lse| > exact_lse_limit need every key, not a selection")
         exact = _exclude(t.clone(), r)
         if r.sinks is not None:  # the sink's column in the denominator
             column = r.sinks[..., None].to(exact.dtype).expand(*exact.shape[:-1], 1)
@@ -173,7 +168,7 @@ def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor
 def needs_every_key(lse: torch.Tensor) -> bool:
     """Whether rows with this LSE are recomputed exactly (log_softmax over all their
     keys), so a selection of keys cannot serve them."""
-    return bool((lse.abs() > EXACT_LSE_LIMIT).any())
+    return bool((lse.abs() > settings.get().exact_lse_limit).any())
 
 
 def probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,11 +176,11 @@ def probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
     return log2_probabilities(r, out).exp2_()
 
 
-def dense(r: Rows, budget: int = CHUNK_BYTES) -> torch.Tensor:
+def dense(r: Rows) -> torch.Tensor:
     """The weights (B, H, n, S), tile by tile into one output."""
     if 0 in r.shape:
         return r.q.new_zeros(r.shape, dtype=r.dtype)
-    tiles = list(r.tiles(budget))
+    tiles = list(r.tiles(settings.get().chunk_bytes))
     if len(tiles) == 1:
         return probabilities(r)
     out = torch.empty(r.shape, dtype=r.dtype, device=r.q.device)
@@ -202,8 +197,9 @@ def _scratch(r: Rows, budget: int) -> torch.Tensor:
     return torch.empty(size, dtype=r.dtype, device=r.q.device)
 
 
-def _each_tile(r: Rows, budget: int) -> Iterator[tuple[int, slice, slice, torch.Tensor]]:
+def _each_tile(r: Rows) -> Iterator[tuple[int, slice, slice, torch.Tensor]]:
     """(b, heads, rows, log2 weights of the tile), reusing one buffer."""
+    budget = settings.get().chunk_bytes
     scratch = _scratch(r, budget)
     if 0 in r.shape:
         return
@@ -213,32 +209,32 @@ def _each_tile(r: Rows, budget: int) -> Iterator[tuple[int, slice, slice, torch.
         yield b, heads, rows, log2_probabilities(tile, out=scratch[: math.prod(shape)].view(shape))
 
 
-def key_sums(r: Rows, budget: int = CHUNK_BYTES) -> torch.Tensor:
+def key_sums(r: Rows) -> torch.Tensor:
     """sum over the rows of the weights: the attention each key receives, (B, H, S)."""
     B, H, _, S = r.shape
     out = torch.zeros(B, H, S, dtype=r.dtype, device=r.q.device)
-    for b, heads, _, t in _each_tile(r, budget):
+    for b, heads, _, t in _each_tile(r):
         out[b : b + 1, heads] += t.exp2_().sum(dim=-2)
     return out
 
 
-def entropy(r: Rows, budget: int = CHUNK_BYTES) -> torch.Tensor:
+def entropy(r: Rows) -> torch.Tensor:
     """-sum_j p_ij ln p_ij per row, (B, H, n), in nats; 0 for rows that see no key."""
     B, H, n, _ = r.shape
     out = torch.zeros(B, H, n, dtype=r.dtype, device=r.q.device)
-    for b, heads, rows, t in _each_tile(r, budget):
+    for b, heads, rows, t in _each_tile(r):
         p_log2p = t.exp2().mul_(t).nan_to_num_(nan=0.0)  # 0 * -inf -> 0 where excluded
         out[b : b + 1, heads, rows] = p_log2p.sum(dim=-1).mul_(-1.0 / LOG2E)
     return out
 
 
-def topk(r: Rows, k: int, budget: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest weights of each row and their key indices, each (B, H, n, k). Top-k
     of p is top-k of log p: only the k winners are exponentiated."""
     B, H, n, _ = r.shape
     values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.q.device)
     indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.q.device)
-    for b, heads, rows, t in _each_tile(r, budget):
+    for b, heads, rows, t in _each_tile(r):
         top, idx = t.topk(k, dim=-1)
         values[b : b + 1, heads, rows] = top.exp2_()
         indices[b : b + 1, heads, rows] = idx
@@ -247,8 +243,8 @@ def topk(r: Rows, k: int, budget: int = CHUNK_BYTES) -> tuple[torch.Tensor, torc
 
 def _exclude(t: torch.Tensor, r: Rows) -> torch.Tensor:
     """-inf, in place, where causality or a bool mask excludes a key."""
-    if r.causal:  # top-left: the query at position p sees keys j <= p
-        t.masked_fill_(_key_positions(r) > r.q_pos[:, None], -torch.inf)
+    if r.causal:  # top-left
+        t.masked_fill_(masks.visible(r.q_pos, _key_positions(r)).logical_not_(), -torch.inf)
     if r.mask is not None and r.mask.dtype == torch.bool:
         t.masked_fill_(~r.mask, -torch.inf)
     return t

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from sdpa import kernels, masks, rows
+from sdpa import kernels, masks, rows, settings
 from sdpa.backends import small
 from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
@@ -30,31 +30,21 @@ from sdpa.inputs import Inputs, empty, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
 FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
-KERNEL_DEVICES = {"cuda"}  # where the Triton kernels serve the statistics
-# A structured mask is materialised for the kernels up to this many bytes (bool);
-# past it the chunked engine, which materialises one tile at a time, serves.
-KERNEL_MASK_BYTES = 64 * 2**20
-# The received-attention kernel subtracts the fused kernel's LSE from its own scores:
-# past this |lse| (a row under a huge finite bias such as -1e9) float32 has lost the
-# digits that matter, and the chunked engine recomputes such rows exactly.
-KERNEL_LSE_LIMIT = 1024.0
+# Where the Triton kernels serve (kernel_devices), the largest structured mask they
+# take materialised (kernel_mask_bytes) and the |lse| past which the received-attention
+# kernel's float32 subtraction has lost digits (kernel_lse_limit): sdpa.settings.
 
 
-@contextlib.contextmanager
-def chunked_engine():
+def chunked_engine() -> contextlib.AbstractContextManager:
     """Within it, every statistic comes from the chunked engine, on every device: the
-    reference the Triton kernels are checked and timed against."""
-    global KERNEL_DEVICES
-    saved, KERNEL_DEVICES = KERNEL_DEVICES, set()
-    try:
-        yield
-    finally:
-        KERNEL_DEVICES = saved
+    reference the Triton kernels are checked and timed against (this thread / task only:
+    `sdpa.settings.override(kernel_devices=set())`)."""
+    return settings.override(kernel_devices=frozenset())
 
 
-def _version(t: object) -> int | None:
-    # inference tensors carry no version counter: they cannot be checked; structured
-    # masks are immutable
+def version_of(t: object) -> int | None:
+    """t's version counter (bumped by every in-place write), or None where there is
+    none to read: an inference tensor, a structured mask (immutable), None."""
     if not isinstance(t, torch.Tensor) or t.is_inference():
         return None
     return t._version
@@ -70,7 +60,7 @@ def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
     try:  # the common case: plain tensors, none made under inference_mode
         return q._version, k._version, None if mask is None else mask._version
     except (AttributeError, RuntimeError):
-        return _version(q), _version(k), _version(mask)
+        return version_of(q), version_of(k), version_of(mask)
 
 
 class AttentionWeights:
@@ -99,7 +89,7 @@ class AttentionWeights:
         self._fused = fused
         # (B, Hq, L, S), detached, and its version: the weights themselves where a
         # backend computed them (the small backend); dropped if changed in place
-        self._probs = None if probs is None else (probs, _version(probs))
+        self._probs = None if probs is None else (probs, version_of(probs))
         self._versions = _versions(inputs)
 
     def _kept(self) -> torch.Tensor | None:
@@ -109,7 +99,7 @@ class AttentionWeights:
         if self._probs is None:
             return None
         p, version = self._probs
-        if _version(p) == version:
+        if version_of(p) == version:
             return p
         self._probs = None
         return None
@@ -120,7 +110,7 @@ class AttentionWeights:
         if p is None and small.one_product(self._inputs):
             with torch.no_grad(), no_autocast(self.device.type):
                 p = small.probabilities(self._inputs)
-            self._probs = (p, _version(p))
+            self._probs = (p, version_of(p))
         return p
 
     def _hand_out(self, view: torch.Tensor) -> torch.Tensor:
@@ -162,7 +152,7 @@ class AttentionWeights:
         if _versions(self._inputs) == self._versions:
             return
         i = self._inputs
-        now = (_version(i.query), _version(i.key), _version(i.mask))
+        now = (version_of(i.query), version_of(i.key), version_of(i.mask))
         if now != self._versions:
             changed = [
                 n
@@ -403,21 +393,20 @@ class AttentionWeights:
 
     def _kernel_args(self) -> tuple | None:
         """(q, k, mask tensor or None, causal) for the Triton kernels, or None where they
-        can't serve: not on KERNEL_DEVICES, triton missing, an unsupported dtype or head
-        size, or a structured mask too large to materialise."""
+        can't serve: not on the settings' kernel_devices, triton missing, an unsupported
+        dtype or head size, or a structured mask over kernel_mask_bytes."""
         i = self._inputs
-        if self.device.type not in KERNEL_DEVICES or kernels.unsupported(i.query, i.key):
+        tuning = settings.get()
+        if self.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
             return None
         if i.softcap is not None or i.sinks is not None:  # the kernels score plain q . k
             return None
         mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
         L, S = i.query.shape[2], i.key.shape[2]
         if isinstance(mask, masks.Mask):
-            if (mask.batch or 1) * L * S > KERNEL_MASK_BYTES:
+            if (mask.batch or 1) * L * S > tuning.kernel_mask_bytes:
                 return None
-            else:
-                mask = mask.materialize(L, S, self.device, max_bytes=None)  # (L, S) or (B, 1, L, S)
-                mask = mask if mask.ndim == 4 else mask[None, None]  # (B|1, 1, L, S)
+            mask = masks.as_4d(mask.materialize(L, S, self.device, max_bytes=None))  # (B|1,1,L,S)
         return i.query, i.key, mask, causal
 
     def _stats_kernel(self, which: str) -> torch.Tensor | None:
@@ -435,7 +424,8 @@ class AttentionWeights:
     def _received_kernel(self) -> torch.Tensor | None:
         """Attention received per key (B, Hq, S) from the Triton kernel, or None."""
         args = self._kernel_args()
-        if args is None or bool((self._log_sum_exp().abs() > KERNEL_LSE_LIMIT).any()):
+        limit = settings.get().kernel_lse_limit
+        if args is None or bool((self._log_sum_exp().abs() > limit).any()):
             return None
         from sdpa.kernels.received import received  # imports triton
 
@@ -454,7 +444,7 @@ class AttentionWeights:
         runs its own causal path. Serves where the fused kernel runs, without softcap
         or sinks, with no mask, the top-left causal one (L == S) or a tensor mask that is
         the same for every query (key padding: its transpose is one column, so nothing
-        L x S is allocated), and |lse| <= FOLD_LSE_LIMIT (the folded column then keeps
+        L x S is allocated), and |lse| <= fold_lse_limit (the folded column then keeps
         float32 error < 1e-5)."""
         i = self._inputs
         L, S = i.query.shape[2], i.key.shape[2]
@@ -468,7 +458,7 @@ class AttentionWeights:
             or (causal and (L != S or mask is not None))
             or i.softcap is not None
             or i.sinks is not None
-            or bool((self._log_sum_exp().abs() > rows.FOLD_LSE_LIMIT).any())
+            or bool((self._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
         ):
             return None
         cd = i.compute_dtype

@@ -9,6 +9,7 @@ name never falls back, and when nothing fits the error lists every backend's rea
 
 from __future__ import annotations
 
+from sdpa.backends import aten
 from sdpa.backends.base import Backend, NotSupportedError
 from sdpa.backends.chunked import Chunked
 from sdpa.backends.fused import Fused
@@ -24,8 +25,14 @@ _SMALL, _FUSED = BACKENDS["small"], BACKENDS["fused"]
 
 def select_fast(inputs: Inputs) -> Backend:
     """`select(inputs)` for inputs from `fast_normalize` (no dropout, softcap, sinks or
-    mask gradient; CPU or CUDA), which both small and fused can run: decided in O(1)."""
-    return _SMALL if inputs.query.is_cpu and fits(inputs) else _FUSED
+    mask gradient; CPU or CUDA), which both small and fused can run: decided in O(1)
+    (where this torch lacks the fused CPU op, `select` decides)."""
+    if inputs.query.is_cpu:
+        if fits(inputs):
+            return _SMALL
+        if aten.CPU_FLASH is None:
+            return select(inputs)
+    return _FUSED
 
 
 def _describe(reasons: dict[str, list[str]]) -> str:

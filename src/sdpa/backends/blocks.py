@@ -11,6 +11,7 @@ one call, so outputs, LSEs and gradients are exact with no merging step.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -110,7 +111,7 @@ def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:
         m = mask if mask.shape[0] == 1 else mask[piece.batch]
         out = m[:, :, piece.q0 : piece.q1, piece.k0 : piece.k1]
     if inputs.causal:
-        band = (k_pos[None, :] <= q_pos[:, None])[None, None]  # top-left
+        band = masks.visible(q_pos, k_pos)[None, None]  # (1, 1, r, c) top-left
         out = band if out is None else out & band
     return out
 
@@ -149,6 +150,26 @@ def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
         del _additive_cache[next(iter(_additive_cache))]  # the oldest
     _additive_cache[key] = (mask, mask._version, bias)
     return bias
+
+
+def causal_bias(L: int, S: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The top-left causal mask (L, S) in additive form: 0 where query i sees key j
+    (masks.visible), -inf elsewhere. Small ones are built once per (L, S, dtype, device)
+    (a model's layers and steps share them); treat the result as read-only."""
+    if L * S * 8 > ADDITIVE_CACHE_BYTES or torch.compiler.is_compiling():
+        return _causal_bias(L, S, dtype, device)
+    return _cached_causal_bias(L, S, dtype, device)
+
+
+def _causal_bias(L, S, dtype, device) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(masks.top_left(L, S, device), zero, zero - torch.inf)  # (L, S)
+
+
+@functools.lru_cache(maxsize=ADDITIVE_CACHE_ENTRIES)
+def _cached_causal_bias(L, S, dtype, device) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever the mode
+        return _causal_bias(L, S, dtype, device)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

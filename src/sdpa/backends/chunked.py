@@ -5,7 +5,8 @@ Serves what torch's fused kernels cannot compute, without the reference backend'
 that needs its gradient, sinks with gradients off CPU. Each chunk of rows gets its own
 slice of the mask (causality and structured masks materialised for those rows only) and
 runs the reference math (without autograd, in place and with grouped-query heads folded
-into rows); under top-left causality a chunk reads only the keys its rows can see. The
+into rows); under top-left causality a chunk reads only the keys its rows can see. A
+chunk's scores, weights and mask take at most `chunk_bytes` (sdpa.settings). The
 output and LSE are concatenated. With autograd on, each chunk's weights are kept for
 the backward, as the reference backend keeps them all.
 """
@@ -14,12 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from sdpa import masks
+from sdpa import masks, settings
 from sdpa.backends.base import Backend
 from sdpa.backends.reference import Reference
 from sdpa.inputs import Inputs, sink_rows
 
-CHUNK_BYTES = 64 * 2**20  # scores of one chunk of rows, all batch elements and heads
 _REFERENCE = Reference()
 _TOP_LEFT = masks.causal("top-left")
 
@@ -104,7 +104,7 @@ class Chunked(Backend):
         B, Hq, L, _ = inputs.query.shape
         S = inputs.key.shape[2]
         row_bytes = max(1, B * Hq * S) * 4 * 3  # scores, weights and a mask row, float32
-        step = max(1, CHUNK_BYTES // row_bytes)
+        step = max(1, settings.get().chunk_bytes // row_bytes)
         tensors = (inputs.query, inputs.key, inputs.value, inputs.mask, inputs.sinks)
         grad = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in tensors

@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from sdpa.backends import blocks
-from sdpa.inputs import HALF_DTYPES
+from sdpa import masks
+from sdpa.backends import aten, blocks
+from sdpa.inputs import compute_dtype
 
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3  # torch.nn.attention.SDPBackend values
 HEAD_ALIGN = 8  # torch's CUDA kernels take head sizes in multiples of 8
 BIAS_ALIGN = 16  # memory-efficient attention wants bias rows aligned to 16 elements
-
-
-def _aten(name: str):
-    return getattr(torch.ops.aten, name, None)
 
 
 def choice(q, k, v, bias, causal: bool, scale: float) -> int:
@@ -57,10 +54,8 @@ def _bias(mask, causal: bool, dtype: torch.dtype, shape: tuple[int, ...], device
     B, H, L, S = shape
     base = blocks.distinct(mask) if mask is not None else None  # (Bm, Hm, Lm, Sm)
     if causal:
-        band = torch.ones(L, S, dtype=torch.bool, device=device).tril()  # top-left
-        zero = torch.zeros((), dtype=dtype if base is None else base.dtype, device=device)
-        causal_bias = torch.where(band, zero, zero - torch.inf)  # (L, S)
-        base = causal_bias[None, None] if base is None else base + causal_bias
+        causal_bias = blocks.causal_bias(L, S, dtype if base is None else base.dtype, device)
+        base = causal_bias[None, None] if base is None else base + causal_bias  # (.., L, S)
     dead = ~(base > -torch.inf).any(dim=-1, keepdim=True)  # (Bm, Hm, Lm, 1)
     padded = -(-S // BIAS_ALIGN) * BIAS_ALIGN
     buf = torch.empty(*base.shape[:-1], padded, dtype=dtype, device=device)[..., :S]
@@ -79,18 +74,19 @@ def _expand_heads(t: torch.Tensor, H: int) -> torch.Tensor:
 
 
 def _flash(q, k, v, bias, causal, scale):
-    out = _aten("_scaled_dot_product_flash_attention")(q, k, v, 0.0, causal, False, scale=scale)
+    op = aten.op("_scaled_dot_product_flash_attention")
+    out = op(q, k, v, 0.0, causal, False, scale=scale)
     return out[0], out[1]
 
 
 def _efficient(q, k, v, bias, causal, scale):
-    op = _aten("_scaled_dot_product_efficient_attention")
+    op = aten.op("_scaled_dot_product_efficient_attention")
     out = op(q, k, v, bias, True, 0.0, causal, scale=scale)
     return out[0], out[1]
 
 
 def _cudnn(q, k, v, bias, causal, scale):
-    op = _aten("_scaled_dot_product_cudnn_attention").default
+    op = aten.op("_scaled_dot_product_cudnn_attention").default
     names = {a.name for a in op._schema.arguments}
     kwargs = {"dropout_p": 0.0, "is_causal": causal, "return_debug_mask": False, "scale": scale}
     if "attn_bias" in names:
@@ -103,13 +99,12 @@ def _cudnn(q, k, v, bias, causal, scale):
 
 def _math(q, k, v, bias, causal, scale):
     """The listing in plain torch, float32 softmax for 16-bit inputs; differentiable."""
-    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    cd = compute_dtype(q.dtype)
     s = torch.matmul(q.to(cd), k.to(cd).transpose(-2, -1)) * scale  # (B, H, L, S)
     if bias is not None:
         s = s + bias.to(cd)
     if causal:
-        band = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~band, -torch.inf)
+        s = s.masked_fill(~masks.top_left(*s.shape[-2:], s.device), -torch.inf)
     lse = torch.logsumexp(s.detach(), dim=-1)  # (B, H, L)
     out = torch.matmul(torch.softmax(s, dim=-1), v.to(cd)).to(q.dtype)  # (B, H, L, D)
     return out, lse

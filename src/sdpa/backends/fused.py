@@ -20,16 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from sdpa import masks
-from sdpa.backends import blocks, cuda
+from sdpa.backends import aten, blocks, cuda
 from sdpa.backends.base import Backend
 from sdpa.backends.reference import Reference
 from sdpa.inputs import Inputs, sink_rows
-
-# torch's own Python binding is ~1.5 us faster per call than torch.ops dispatch
-_cpu_op = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None) or (
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-)
-_cpu_backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -47,7 +41,7 @@ def _cpu_kernel(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if sinks is None:
-        return _cpu_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return aten.CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return _CpuSinks.apply(q, k, v, mask, causal, scale, sinks)
 
 
@@ -68,7 +62,7 @@ class _CpuSinks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, sinks):
-        out, lse = _cpu_op(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        out, lse = aten.CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         out, lse = _add_sinks(out, lse, sinks.detach())
         ctx.save_for_backward(q, k, v, mask, out, lse, sinks)
         ctx.causal, ctx.scale = causal, scale
@@ -79,7 +73,7 @@ class _CpuSinks(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, mask, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = _cpu_backward_op(
+        dq, dk, dv = aten.CPU_FLASH_BACKWARD(
             dout, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale
         )
         dsinks = None
@@ -150,11 +144,6 @@ def _one_masked_call(pieces: list[blocks.Piece], S: int) -> bool:
     return len(pieces) == 1 and pieces[0].masked and (pieces[0].k0, pieces[0].k1) == (0, S)
 
 
-def _as_4d(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A materialised structured mask (L, S) or (B, 1, L, S) as (B|1, 1, L, S)."""
-    return mask if mask is None or mask.ndim == 4 else mask[None, None]
-
-
 _REFERENCE = Reference()
 
 
@@ -166,6 +155,13 @@ class Fused(Backend):
         device = inputs.query.device.type
         if device not in _KERNELS:
             reasons.append(f"inputs on {device} (the fused backend runs on: {', '.join(_KERNELS)})")
+        elif device == "cpu" and (
+            aten.CPU_FLASH is None or (inputs.sinks is not None and aten.CPU_FLASH_BACKWARD is None)
+        ):  # (the backward op serves the sinks' correction; torch differentiates the rest)
+            reasons.append(
+                f"this torch ({torch.__version__}) has no {' or '.join(aten.missing_cpu_ops())} "
+                f"(a private op, renamed or removed)"
+            )
         if inputs.dropout_p > 0 and device == "cpu":
             reasons.append(
                 f"dropout_p={inputs.dropout_p} > 0 on CPU (torch's fused CPU kernel has no dropout)"
@@ -215,7 +211,9 @@ class Fused(Backend):
             ):  # fmt: skip
                 if mask is not None:
                     mask = blocks.additive(mask, q.dtype)
-                out, lse = _cpu_op(q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale)
+                out, lse = aten.CPU_FLASH(
+                    q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale
+                )
                 return out, lse, None
         out, lse = self.forward(inputs)
         return out, lse, None
@@ -240,7 +238,7 @@ class Fused(Backend):
         if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
             # (a plan with no kernel call at all would cut the output from autograd)
             if isinstance(mask, masks.Mask):
-                mask = _as_4d(mask.materialize(L, S, q.device, max_bytes=None))
+                mask = masks.as_4d(mask.materialize(L, S, q.device, max_bytes=None))
             mask = blocks.additive(mask, q.dtype)
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
         else:

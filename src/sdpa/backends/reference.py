@@ -17,11 +17,6 @@ from sdpa.backends.base import Backend
 from sdpa.inputs import Inputs
 
 
-def causal_keep(L: int, S: int, device: torch.device) -> torch.Tensor:
-    """Top-left causal keep-mask (L, S): query i sees keys j <= i."""
-    return torch.ones(L, S, dtype=torch.bool, device=device).tril()
-
-
 class Reference(Backend):
     name = "reference"
 
@@ -32,8 +27,8 @@ class Reference(Backend):
         q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
         cd = inputs.compute_dtype
         if isinstance(mask, masks.Mask):
-            mask = mask.materialize(q.shape[2], k.shape[2], q.device, max_bytes=None)
-            mask = mask if mask.ndim == 4 else mask[None, None]  # (B|1, 1, L, S)
+            L, S = q.shape[2], k.shape[2]
+            mask = masks.as_4d(mask.materialize(L, S, q.device, max_bytes=None))  # (B|1,1,L,S)
         group = inputs.group
         if group > 1:  # grouped-query attention: query head h uses key/value head h // group
             k = k.repeat_interleave(group, dim=1)  # (B, Hq, S, E)
@@ -42,7 +37,8 @@ class Reference(Backend):
         if inputs.softcap is not None:
             scores = torch.tanh(scores / inputs.softcap) * inputs.softcap
         if inputs.causal:
-            scores = scores.masked_fill(~causal_keep(*scores.shape[-2:], scores.device), -torch.inf)
+            keep = masks.top_left(*scores.shape[-2:], scores.device)  # (L, S)
+            scores = scores.masked_fill(~keep, -torch.inf)
         if mask is not None:
             if mask.dtype == torch.bool:
                 scores = scores.masked_fill(~mask, -torch.inf)

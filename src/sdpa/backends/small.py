@@ -1,7 +1,7 @@
 """The listing's math in one product, for small weights: output and weights together.
 
-Up to SMALL_WEIGHTS scores (B * Hq * L * S: short texts, decode steps) the scores fit in
-cache and torch's fused kernel saves nothing over
+Up to `small_weights` scores (B * Hq * L * S: short texts, decode steps; see
+sdpa.settings) the scores fit in cache and torch's fused kernel saves nothing over
 
     p = softmax(scale * q k^T + mask)        out = p v
 
@@ -16,25 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from sdpa import masks
+from sdpa import masks, settings
 from sdpa.backends.base import Backend
-from sdpa.backends.blocks import additive, distinct
+from sdpa.backends.blocks import additive, causal_bias, distinct
 from sdpa.backends.reference import Reference
-from sdpa.inputs import HALF_DTYPES, Inputs, known
+from sdpa.inputs import Inputs, compute_dtype, known
 
-# Largest B * Hq * L * S this backend takes, and largest L * S of one head (whose
-# scores must stay in cache): past them torch's fused kernel is faster (measured on CPU
-# by benchmarks/bench_decode.py: (8, 12, 128, 128) 0.8x the fused time, (1, 8, 256, 256)
-# 1.0x, (1, 8, 512, 512) 3.9x; on CUDA the fused op is one launch).
-SMALL_WEIGHTS = 2**21
-SMALL_HEAD = 2**16
-# ... and, under causal masking, the largest L * S per head: the fused kernel skips the
-# masked half of the work, the product cannot.
-SMALL_CAUSAL = 2**14
-# Lazy weights up to this many scores are computed whole, in one product, the first
-# time any of them is read (a decode step's row, a short text's matrix): less than the
-# row engine's fixed cost per call.
-ONE_PRODUCT_WEIGHTS = 2**16
+# The thresholds are sdpa.settings' small_weights, small_head, small_causal and
+# one_product_weights: past the first two torch's fused kernel is faster (measured on
+# CPU by benchmarks/bench_decode.py: (8, 12, 128, 128) 0.8x the fused time,
+# (1, 8, 256, 256) 1.0x, (1, 8, 512, 512) 3.9x; on CUDA the fused op is one launch).
 _REFERENCE = Reference()
 _ZERO = {d: torch.zeros((), dtype=d) for d in (torch.float32, torch.float64)}  # baddbmm's C
 
@@ -44,23 +35,23 @@ def fits(inputs: Inputs) -> bool:
     (a decode step's single row is faster in the fused kernel, and its weights cost one
     product when asked) and scores small enough."""
     B, Hq, L, _ = inputs.query.shape
-    S = inputs.key.shape[2]
-    if (
-        known(L == 1)
-        or not known(B * Hq * L * S <= SMALL_WEIGHTS)
-        or not known(L * S <= SMALL_HEAD)
-    ):
+    if known(L == 1):  # (first: decoding reads nothing more)
         return False
-    return known(L * S <= SMALL_CAUSAL) or not (
+    S = inputs.key.shape[2]
+    s = settings.get()
+    if not known(B * Hq * L * S <= s.small_weights) or not known(L * S <= s.small_head):
+        return False
+    return known(L * S <= s.small_causal) or not (
         inputs.causal or isinstance(inputs.mask, masks.Mask)
     )
 
 
 def one_product(inputs: Inputs) -> bool:
-    """Whether lazy weights of `inputs` are best computed whole (see ONE_PRODUCT_WEIGHTS)."""
+    """Whether lazy weights of `inputs` are best computed whole (up to the settings'
+    one_product_weights scores)."""
     B, Hq, L, _ = inputs.query.shape
     return (
-        known(B * Hq * L * inputs.key.shape[2] <= ONE_PRODUCT_WEIGHTS)
+        known(B * Hq * L * inputs.key.shape[2] <= settings.get().one_product_weights)
         and inputs.softcap is None
         and inputs.sinks is None
         and not torch.compiler.is_compiling()
@@ -73,8 +64,9 @@ def probabilities(inputs: Inputs) -> torch.Tensor:
     q, k, mask = inputs.query, inputs.key, inputs.mask
     B, Hq, L, E = q.shape
     _, Hkv, S, _ = k.shape
-    if q.dtype in HALF_DTYPES:  # softmax statistics in float32
-        q, k = q.float(), k.float()
+    cd = compute_dtype(q.dtype)  # softmax statistics in float32 for 16-bit inputs
+    if cd is not q.dtype:
+        q, k = q.to(cd), k.to(cd)
     folded = q.reshape(B * Hkv, Hq // Hkv * L, E)  # query heads of a key head as rows
     zero = _ZERO.get(q.dtype) if q.is_cpu else None
     if zero is None:
@@ -90,7 +82,7 @@ def probabilities(inputs: Inputs) -> torch.Tensor:
             mask = mask.materialize(L, S, scores.device, max_bytes=None)  # (L, S) | (B, 1, L, S)
     # masks are added (0 / -inf): a broadcast masked_fill_ is ~8x slower on CPU
     if causal:  # top-left: query i sees keys j <= i, so no row is left without a key
-        scores.add_(torch.full((L, S), -torch.inf, device=scores.device).triu_(1))
+        scores.add_(causal_bias(L, S, scores.dtype, scores.device))
     if mask is None:
         return torch.softmax(scores, dim=-1)
     base = distinct(mask)  # the entries a broadcast mask repeats (key padding: B x S)
@@ -147,11 +139,12 @@ class Small(Backend):
         elif L == 1:
             reasons.append("one query (the fused kernel is faster; the weights cost one product)")
         elif not fits(inputs):
+            s = settings.get()
             reasons.append(
-                f"B*Hq*L*S = {B * Hq * L * inputs.key.shape[2]} scores (over SMALL_WEIGHTS = "
-                f"{SMALL_WEIGHTS}), or L*S = {L * inputs.key.shape[2]} per head (over SMALL_HEAD "
-                f"= {SMALL_HEAD}, or SMALL_CAUSAL = {SMALL_CAUSAL} with causal or structured "
-                f"masking): the fused kernel is faster there"
+                f"B*Hq*L*S = {B * Hq * L * inputs.key.shape[2]} scores (over small_weights = "
+                f"{s.small_weights}), or L*S = {L * inputs.key.shape[2]} per head (over "
+                f"small_head = {s.small_head}, or small_causal = {s.small_causal} with causal "
+                f"or structured masking; see sdpa.settings): the fused kernel is faster there"
             )
         return reasons
 

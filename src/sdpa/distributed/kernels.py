@@ -7,7 +7,9 @@ None or float (Bm, 1, r, c) added to the scores (-inf excludes), out (B, Hq, r, 
 lse (B, Hq, r) float32 for 16-bit inputs. causal: top-left within the block.
 
 On CPU, torch's fused kernel (`_scaled_dot_product_flash_attention_for_cpu` and its
-registered backward). Elsewhere (CUDA with NCCL, ...), the same math in plain torch ops.
+registered backward). Elsewhere (CUDA with NCCL, ...), or where this torch lacks those
+private ops, the same math in plain torch ops (chunks of `math_chunk_bytes` of scores,
+see sdpa.settings).
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sdpa.inputs import HALF_DTYPES
-
-_cpu_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from sdpa import masks, settings
+from sdpa.backends import aten
+from sdpa.inputs import compute_dtype
 
 
 def _pad(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -28,11 +29,11 @@ def _pad(t: torch.Tensor, D: int) -> torch.Tensor:
 
 def forward(q, k, v, bias, causal: bool, scale: float):
     """out (B, Hq, r, Ev) and lse (B, Hq, r) of rows q against one block of keys."""
-    if q.device.type != "cpu":
+    if q.device.type != "cpu" or aten.CPU_FLASH is None:
         return _math_forward(q, k, v, bias, causal, scale)
     E, Ev = q.shape[-1], v.shape[-1]
     D = max(E, Ev)  # the fused kernel takes one head size
-    out, lse = _cpu_forward(
+    out, lse = aten.CPU_FLASH(
         _pad(q, D), _pad(k, D), _pad(v, D), 0.0, causal, attn_mask=bias, scale=scale
     )
     return out[..., :Ev], lse
@@ -40,43 +41,41 @@ def forward(q, k, v, bias, causal: bool, scale: float):
 
 def backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
     """(dq, dk, dv) of this block, from the global out and lse of rows q."""
-    if q.device.type != "cpu":
+    if q.device.type != "cpu" or aten.CPU_FLASH_BACKWARD is None:
         return _math_backward(dout, q, k, v, out, lse, bias, causal, scale)
     E, Ev = q.shape[-1], v.shape[-1]
     D = max(E, Ev)
-    dq, dk, dv = _cpu_backward(
+    dq, dk, dv = aten.CPU_FLASH_BACKWARD(
         _pad(dout, D), _pad(q, D), _pad(k, D), _pad(v, D), _pad(out, D), lse,
         0.0, causal, attn_mask=bias, scale=scale,
     )  # fmt: skip
     return dq[..., :E], dk[..., :E], dv[..., :Ev]
 
 
-MATH_CHUNK_BYTES = 64 * 2**20  # scores of one chunk of query rows in the math kernels
-
-
 def _chunks(q: torch.Tensor, c: int):
-    """Row slices of q (B, Hq, r, D) whose float32 scores against c keys fit the budget."""
+    """Row slices of q (B, Hq, r, D) whose float32 scores against c keys fit the
+    settings' math_chunk_bytes."""
     B, H, r, _ = q.shape
-    step = max(1, MATH_CHUNK_BYTES // max(1, B * H * c * 4))
+    step = max(1, settings.get().math_chunk_bytes // max(1, B * H * c * 4))
     return [slice(r0, min(r, r0 + step)) for r0 in range(0, r, step)]
 
 
 def _scores(q, k, bias, causal, scale, rows: slice):
     """Scores (B, Hq, n, c) of query rows `rows`, float32 (float64 for float64 inputs),
     -inf where excluded; key heads repeated for GQA."""
-    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    cd = compute_dtype(q.dtype)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, Hq, c, D)
     s = torch.matmul(q[:, :, rows].to(cd), k.to(cd).mT) * scale  # (B, Hq, n, c)
     if bias is not None:
         s = s + bias[:, :, rows]
-    if causal:  # top-left: row i sees keys j <= i
-        i = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
-        s = s.masked_fill(torch.arange(s.shape[-1], device=s.device) > i, -torch.inf)
+    if causal:  # top-left
+        i = torch.arange(rows.start, rows.stop, device=s.device)
+        s = s.masked_fill(~masks.visible(i, torch.arange(s.shape[-1], device=s.device)), -torch.inf)
     return s
 
 
 def _math_forward(q, k, v, bias, causal, scale):
-    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    cd = compute_dtype(q.dtype)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=cd, device=q.device)  # (B, Hq, r)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).to(cd)  # (B, Hq, c, D)

@@ -16,11 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa import masks
+from sdpa import masks, settings
 from sdpa.backends import blocks
 from sdpa.distributed.layout import Run
 
-MASK_CHUNK_BYTES = 16 * 2**20  # bool keep + float bias of one chunk of query rows
 FULL, EMPTY, DIAGONAL, OVERLAP = "full", "empty", "diagonal", "overlap"
 
 
@@ -72,7 +71,8 @@ def calls(
 
 def _masked(qr: Run, kr: Run, rule: masks.Mask, L: int, S: int, device) -> Iterator[Call]:
     k_pos = torch.arange(kr.start, kr.start + kr.length, device=device)
-    step = max(1, MASK_CHUNK_BYTES // (5 * kr.length))  # 1 byte of keep + 4 of bias per entry
+    # the settings' mask_chunk_bytes: 1 byte of keep + 4 of bias per entry
+    step = max(1, settings.get().mask_chunk_bytes // (5 * kr.length))
     for r0 in range(0, qr.length, step):
         r1 = min(qr.length, r0 + step)
         q_pos = torch.arange(qr.start + r0, qr.start + r1, device=device)

@@ -24,7 +24,7 @@ from sdpa.distributed.layout import check_layout, runs
 from sdpa.distributed.weights import RingWeights
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
 from sdpa.functional import AttentionResult
-from sdpa.inputs import HALF_DTYPES, _check_structured, normalize
+from sdpa.inputs import check_structured, compute_dtype, normalize
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for its peers before raising
 
@@ -100,7 +100,7 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Hq, n, E), k (B, Hkv, m, E), v (B, Hkv, m, Ev) -> out (B, Hq, n, Ev),
     lse (B, Hq, n)."""
     ring = setup.ring
-    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    cd = compute_dtype(q.dtype)
     acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=cd, device=q.device)  # (B, Hq, n, Ev)
     acc_lse = torch.full(q.shape[:-1], -torch.inf, dtype=cd, device=q.device)  # (B, Hq, n)
     shards = _Shards(ring, k, v)
@@ -126,7 +126,7 @@ def _ring_backward(setup: _Setup, q, k, v, out, lse, dout):
     share is computed into `share` while the accumulator from the previous rank is still
     arriving, then added and sent on; one hop more than K/V brings it home."""
     ring = setup.ring
-    cd = torch.float32 if q.dtype in HALF_DTYPES else q.dtype
+    cd = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=cd, device=q.device)
     shards = _Shards(ring, k, v)
     share = torch.empty(k.numel() + v.numel(), dtype=cd, device=q.device)  # step's dK, dV
@@ -212,7 +212,7 @@ def _header(query, key, value, mask, causal, scale, layout, timeout, world):
     if mask is not None:  # the same rule as sdpa.attention's, at the whole sequence's size
         has_heads = max(t.ndim for t in (query, key, value)) >= 4
         batch = inputs.lead[:-1] if has_heads else inputs.lead
-        _check_structured(mask, batch, n * world, m * world)
+        check_structured(mask, batch, n * world, m * world)
     header = {
         "query": list(query.shape),
         "key": list(key.shape),

@@ -15,9 +15,9 @@ from sdpa.budget import DEFAULT_MAX_BYTES
 from sdpa.distributed.comm import Ring, RingError
 from sdpa.distributed.layout import positions, unshard
 from sdpa.errors import SdpaValueError
-from sdpa.functional import _fused
+from sdpa.functional import fused_runner
 from sdpa.inputs import normalize
-from sdpa.weights import AttentionWeights, StaleWeightsError, _version
+from sdpa.weights import AttentionWeights, StaleWeightsError, version_of
 
 
 class _Rows(masks.Mask):
@@ -61,7 +61,7 @@ class RingWeights:
         self._ring, self._query, self._key = ring, query, key
         self._lse = lse.detach()  # (B, Hq, n)
         self._rule, self._scale, self._layout = rule, scale, layout
-        self._versions = (_version(query), _version(key))
+        self._versions = (version_of(query), version_of(key))
         n, m = query.shape[-2], key.shape[-2]
         self._n, self._m = n, m
         self._shape = torch.Size((*lead, n, m * ring.world))  # (..., n, S)
@@ -88,7 +88,7 @@ class RingWeights:
         return f"RingWeights(shape={tuple(self.shape)}, rank={r.rank} of {r.world}, lazy)"
 
     def _check_fresh(self) -> None:
-        if (_version(self._query), _version(self._key)) != self._versions:
+        if (version_of(self._query), version_of(self._key)) != self._versions:
             raise StaleWeightsError(
                 "the query or key shard changed in place after ring_attention, so these "
                 "weights would describe other inputs; read them before the update"
@@ -128,7 +128,7 @@ class RingWeights:
             pos = positions(self._n, ring.rank, ring.world, self._layout)
             mask = _Rows(self._rule, pos.to(self.device), self._n * ring.world)
         inputs = normalize(self._query.detach(), keys, keys, mask, scale=self._scale)
-        return AttentionWeights(inputs, self._lse, _fused)
+        return AttentionWeights(inputs, self._lse, fused_runner)
 
     def __getitem__(self, index: object) -> torch.Tensor:
         return self._local("rows")[index]

@@ -1,0 +1,158 @@
+"""Tuning settings: the sizes and limits where sdpa switches engines, in one object.
+
+Every engine reads the settings of the current context once per call
+(`sdpa.settings.get()`); `override` changes some of them inside a `with` block, for
+this thread or asyncio task only (a `contextvars.ContextVar`), and restores them on
+exit. The defaults were measured on CPU with benchmarks/; none changes a result beyond
+rounding, only which engine computes it and how much memory it takes at once.
+
+    with sdpa.settings.override(chunk_bytes=16 * 2**20):   # smaller tiles, less memory
+        w.sum(dim=-2)
+    sdpa.settings.get().chunk_bytes                        # 67108864 again
+
+Lowest layer: imports only sdpa.errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
+
+from sdpa.errors import SdpaTypeError, SdpaValueError
+
+__all__ = ["Settings", "get", "override"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """sdpa's tuning settings (read with `get()`, changed with `override(...)`).
+
+    Each field says what it trades, its unit and its default.
+    """
+
+    chunk_bytes: int = 64 * 2**20
+    """Working memory (bytes) of one chunk of query rows: a tile of the weights engine
+    (rows, sums, entropy, top-k of AttentionWeights) and a chunk of the chunked backend.
+    Larger: fewer, bigger matrix products; smaller: less memory at once. Default 64 MiB."""
+
+    fold_lse_limit: float = 16.0
+    """Weights engine: tiles whose |lse| stays under this take the folded GEMM (the LSE
+    folded into the product, fastest; error ~ eps * |lse|); above it the scores are
+    rounded as the fused kernel rounds them. Unit: nats. Default 16."""
+
+    exact_lse_limit: float = 32.0
+    """Weights engine: rows whose |lse| exceeds this (a large finite bias such as -1e9,
+    scores in the hundreds) are recomputed by a log-softmax of their scores, where a
+    float32 LSE has lost digits. Lower: more rows recomputed (slower, never less exact).
+    Unit: nats. Default 32."""
+
+    kernel_devices: frozenset[str] = frozenset({"cuda"})
+    """Device types where the Triton kernels serve weights statistics (entropy, received
+    attention); elsewhere the chunked weights engine does. An empty set runs the chunked
+    engine everywhere (the kernels' reference). Default {"cuda"}."""
+
+    kernel_mask_bytes: int = 64 * 2**20
+    """A structured mask is materialised (bool) for the Triton kernels up to this many
+    bytes; past it the chunked engine, one tile at a time, serves. Default 64 MiB."""
+
+    kernel_lse_limit: float = 1024.0
+    """The received-attention kernel serves rows with |lse| up to this; past it (a huge
+    finite bias) the chunked engine recomputes them exactly. Unit: nats. Default 1024."""
+
+    mask_chunk_bytes: int = 16 * 2**20
+    """Ring attention: bytes of bool keep-mask plus float bias materialised at once for
+    a chunk of query rows when planning a shard's calls. Default 16 MiB."""
+
+    math_chunk_bytes: int = 64 * 2**20
+    """Ring attention off CPU: bytes of float32 scores of one chunk of query rows in the
+    plain-torch block kernels. Default 64 MiB."""
+
+    small_weights: int = 2**21
+    """Largest B * Hq * L * S (scores) the small backend takes (the listing's math in
+    one product, weights kept): past it torch's fused kernel is faster on CPU. 0 turns
+    the small backend off. Default 2**21."""
+
+    small_head: int = 2**16
+    """Largest L * S of one head the small backend takes (its scores must stay in
+    cache). 0 turns the small backend off. Default 2**16."""
+
+    small_causal: int = 2**14
+    """Largest L * S per head the small backend takes under causal or structured
+    masking (the fused kernel skips the masked half of the work, the product cannot).
+    Default 2**14."""
+
+    one_product_weights: int = 2**16
+    """Lazy weights up to this many scores (B * Hq * L * S) are computed whole, in one
+    product, the first time any is read: below the weights engine's fixed cost per
+    call. 0 turns it off. Default 2**16."""
+
+
+_INTS = ("chunk_bytes", "kernel_mask_bytes", "mask_chunk_bytes", "math_chunk_bytes")
+_COUNTS = ("small_weights", "small_head", "small_causal", "one_product_weights")
+_LIMITS = ("fold_lse_limit", "exact_lse_limit", "kernel_lse_limit")
+_NAMES = tuple(f.name for f in dataclasses.fields(Settings))
+
+# (the default is frozen: immutable, so one instance serves every context)
+_CURRENT: ContextVar[Settings] = ContextVar("sdpa_settings", default=Settings())  # noqa: B039
+
+get = _CURRENT.get
+"""The settings of the current context (thread / asyncio task): `sdpa.settings.get()`."""
+
+
+def _checked(name: str, value: object) -> object:
+    """value if it suits the field `name`, else a clear error."""
+    if name in _INTS or name in _COUNTS:
+        low = 1 if name in _INTS else 0
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if not is_int or value < low:
+            raise (SdpaValueError if is_int else SdpaTypeError)(
+                f"settings.override: {name} must be an int >= {low} "
+                f"({'bytes' if name in _INTS else 'scores'}), got {value!r} "
+                f"({type(value).__name__}); default {getattr(Settings, name)}"
+            )
+        return value
+    if name in _LIMITS:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not 0 < value < float("inf"):
+            raise (SdpaValueError if number else SdpaTypeError)(
+                f"settings.override: {name} must be a finite number > 0 (nats), got "
+                f"{value!r}; default {getattr(Settings, name)}"
+            )
+        return float(value)
+    # kernel_devices
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise SdpaTypeError(
+            f"settings.override: kernel_devices must be a set of device types, e.g. "
+            f"{{'cuda'}} or set(), got {value!r} ({type(value).__name__})"
+        )
+    devices = frozenset(value)
+    if not all(isinstance(d, str) for d in devices):
+        raise SdpaTypeError(
+            f"settings.override: kernel_devices holds device type names (str), got {value!r}"
+        )
+    return devices
+
+
+@contextlib.contextmanager
+def override(**changes: object) -> Iterator[Settings]:
+    """Within the block, the current settings with `changes` (field=value); restored on
+    exit. Affects only this thread / asyncio task (and tasks it starts inside). Unknown
+    names and unsuitable values are refused before anything changes.
+
+        with sdpa.settings.override(small_weights=0, chunk_bytes=2**20) as s:
+            ...   # s is the Settings in force
+    """
+    unknown = sorted(set(changes) - set(_NAMES))
+    if unknown:
+        raise SdpaTypeError(
+            f"settings.override got unknown setting(s) {unknown}; the settings are "
+            f"{list(_NAMES)} (see help(sdpa.settings.Settings))"
+        )
+    new = dataclasses.replace(get(), **{n: _checked(n, v) for n, v in changes.items()})
+    token = _CURRENT.set(new)
+    try:
+        yield new
+    finally:
+        _CURRENT.reset(token)
