@@ -141,3 +141,44 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def heat_maps(
+    image: torch.Tensor,
+    maps: torch.Tensor,
+    labels: Sequence[str],
+    path: Path,
+    title: str | None = None,
+) -> Path:
+    """The picture (H, W, 3) in [0, 1], then each heat map (N, h, w) (a prompt word's
+    cross-attention, a pixel's self-attention; any grid, resized bilinearly to H x W)
+    over the faded picture, labelled, each with its own colour bar (maps summed over
+    layers and steps have no common scale)."""
+    from sdpa.errors import SdpaValueError
+
+    if maps.ndim != 3 or len(labels) != maps.shape[0] or image.ndim != 3 or image.shape[-1] != 3:
+        raise SdpaValueError(
+            f"heat_maps takes image (H, W, 3), maps (N, h, w) and N labels, got image "
+            f"{tuple(image.shape)}, maps {tuple(maps.shape)} and {len(labels)} labels"
+        )
+    plt = _pyplot()
+    H, W = image.shape[:2]
+    shown = torch.nn.functional.interpolate(
+        maps[:, None].float().cpu(), size=(H, W), mode="bilinear", align_corners=False
+    )[:, 0]  # (N, H, W)
+    n = maps.shape[0]
+    fig, axes = plt.subplots(1, n + 1, figsize=(3.0 * (n + 1), 3.2), constrained_layout=True)
+    picture = image.float().cpu().clamp(0, 1).numpy()
+    axes[0].imshow(picture)
+    axes[0].set_title("image", fontsize=10)
+    for ax, m, label in zip(axes[1:], shown, labels, strict=True):
+        ax.imshow(picture, alpha=0.4)
+        drawn = ax.imshow(m.numpy(), cmap="jet", alpha=0.55)  # its own min..max
+        ax.set_title(label, fontsize=10)
+        fig.colorbar(drawn, ax=ax, shrink=0.75, pad=0.02)
+    for ax in axes:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
