@@ -1,0 +1,5 @@
+import sys
+
+from sdpa.view.cli import main
+
+sys.exit(main())
