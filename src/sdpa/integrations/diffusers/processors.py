@@ -17,6 +17,16 @@ from sdpa.errors import NotSupportedError
 from sdpa.integrations.diffusers.calls import ACTIVE, CallInfo, Kind, ModelState, attend, default
 
 
+def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, N, H * D) -> (B, H, N, D), as diffusers' processors lay out q, k and v."""
+    return x.view(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2)
+
+
+def _merge_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H, N, D) -> (B, N, H * D) in `dtype`: the attention output for to_out."""
+    return x.transpose(1, 2).flatten(2, 3).to(dtype)
+
+
 class _Processor:
     """What every sdpa processor keeps: its name (the attn_processors key) and the model
     state the forward pre-hook fills while a session is open."""
@@ -100,11 +110,9 @@ class SdpaAttnProcessor(_Processor):
             encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
         key = attn.to_k(encoder_hidden_states)
         value = attn.to_v(encoder_hidden_states)
-        inner_dim = key.shape[-1]
-        head_dim = inner_dim // attn.heads
-        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # (B, H, L, D)
-        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # (B, H, S, D)
-        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # (B, H, S, D)
+        query = _split_heads(query, attn.heads)  # (B, H, L, D)
+        key = _split_heads(key, attn.heads)  # (B, H, S, D)
+        value = _split_heads(value, attn.heads)  # (B, H, S, D)
         if attn.norm_q is not None:
             query = attn.norm_q(query)
         if attn.norm_k is not None:
@@ -115,8 +123,7 @@ class SdpaAttnProcessor(_Processor):
             scale=attn.scale if self.module_scale else None,
             text_tokens=text, text_start=0 if kind == "cross" else None,
         )  # fmt: skip
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = _merge_heads(hidden_states, query.dtype)  # (B, L, H * D)
         hidden_states = attn.to_out[0](hidden_states)  # linear proj
         hidden_states = attn.to_out[1](hidden_states)  # dropout
         if input_ndim == 4:
@@ -147,15 +154,9 @@ class SdpaJointAttnProcessor(_Processor):
         if ip_hidden_states is not None or ip_adapter_masks is not None:
             raise self._refuse("IP-Adapter inputs", "needs IP-Adapter's own processor")
         residual = hidden_states
-        batch_size = hidden_states.shape[0]
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
-        inner_dim = key.shape[-1]
-        head_dim = inner_dim // attn.heads
-        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # (B, H, N, D)
-        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        query = _split_heads(attn.to_q(hidden_states), attn.heads)  # (B, H, N, D)
+        key = _split_heads(attn.to_k(hidden_states), attn.heads)
+        value = _split_heads(attn.to_v(hidden_states), attn.heads)
         if attn.norm_q is not None:
             query = attn.norm_q(query)
         if attn.norm_k is not None:
@@ -163,12 +164,9 @@ class SdpaJointAttnProcessor(_Processor):
         image = query.shape[-2]
         text = None
         if encoder_hidden_states is not None:
-            eq = attn.add_q_proj(encoder_hidden_states)
-            ek = attn.add_k_proj(encoder_hidden_states)
-            ev = attn.add_v_proj(encoder_hidden_states)
-            eq = eq.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # (B, H, T, D)
-            ek = ek.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-            ev = ev.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+            eq = _split_heads(attn.add_q_proj(encoder_hidden_states), attn.heads)  # (B, H, T, D)
+            ek = _split_heads(attn.add_k_proj(encoder_hidden_states), attn.heads)
+            ev = _split_heads(attn.add_v_proj(encoder_hidden_states), attn.heads)
             if attn.norm_added_q is not None:
                 eq = attn.norm_added_q(eq)
             if attn.norm_added_k is not None:
@@ -181,8 +179,7 @@ class SdpaJointAttnProcessor(_Processor):
             attn, query, key, value, None, "self" if text is None else "joint",
             image_tokens=image, text_tokens=text, text_start=None if text is None else image,
         )  # fmt: skip
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = _merge_heads(hidden_states, query.dtype)  # (B, N + T, H * D)
         if encoder_hidden_states is not None:  # split the image and text outputs
             hidden_states, encoder_hidden_states = (
                 hidden_states[:, : residual.shape[1]],
@@ -274,8 +271,7 @@ class SdpaFluxAttnProcessor(_Processor):
             attn, q, k, v, mask, "self" if text is None else "joint",
             image_tokens=L - (text or 0), text_tokens=text, text_start=None if text is None else 0,
         )  # fmt: skip
-        hidden_states = out.permute(0, 2, 1, 3).flatten(2, 3)  # (B, L, H * D)
-        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = _merge_heads(out, query.dtype)  # (B, L, H * D)
         if encoder_hidden_states is not None:
             T = encoder_hidden_states.shape[1]
             encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
