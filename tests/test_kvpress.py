@@ -238,9 +238,9 @@ def test_observed_attention_comes_from_one_fused_call(Hq, Hkv, L, S, mask, dtype
                for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))  # fmt: skip
     m = sdpa.masks.causal("top-left") if mask == "causal" else None
     _, w = sdpa.attention(q, k, v, m, causal=mask == "causal flag")
-    got = w._received_fused()
+    got = sdpa.weights._fused_received(w)
     assert got is not None and got.shape == (2, Hq, S) and got.dtype == w.dtype
-    torch.testing.assert_close(got, rows.key_sums(w._rows()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, rows.key_sums(w._every_row()), atol=1e-5, rtol=1e-5)
 
 
 def test_register_without_kvpress_says_what_to_install(monkeypatch):

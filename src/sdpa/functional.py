@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa.backends import BACKENDS, select, select_fast
+from sdpa.backends import BACKENDS, Backend, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
@@ -30,16 +30,17 @@ def fused_runner(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def _compute(
     query, key, value, mask, causal, scale, dropout_p, backend: str, **torch_rules
-) -> tuple[Inputs, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[Inputs, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Backend]:
     """(inputs, output (*lead, L, Ev), lse (B, Hq, L) or None, the weights (B, Hq, L, S)
-    where the backend computed them, else None). The common calls are recognised in
-    O(1) from types and shapes (fast_normalize: 4-D, autocast off, nothing to reshape);
-    the rest are validated in full."""
+    where the backend computed them, else None, the backend that ran). The common calls
+    are recognised in O(1) from types and shapes (fast_normalize: 4-D, autocast off,
+    nothing to reshape); the rest are validated in full."""
     if backend == "auto":
         inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p,
                                 torch_rules.get("gqa", True))  # fmt: skip
         if inputs is not None:
-            return inputs, *select_fast(inputs).run(inputs)
+            impl = select_fast(inputs)
+            return inputs, *impl.run(inputs), impl
     inputs = normalize(
         query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p, **torch_rules
     )
@@ -48,7 +49,7 @@ def _compute(
         out, lse, p = impl.run(inputs)
     if len(inputs.lead) != 2:  # (B, Hq, L, Ev) -> (*lead, L, Ev)
         out = out.reshape(*inputs.lead, *out.shape[-2:])
-    return inputs, out, lse, p
+    return inputs, out, lse, p, impl
 
 
 def attention(
@@ -87,8 +88,8 @@ def attention(
     Equivalent to (up to rounding, without materialising the scores):
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
-    inputs, out, lse, p = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
-    return AttentionResult(out, AttentionWeights(inputs, lse, fused_runner, p))
+    inputs, out, lse, p, impl = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
+    return AttentionResult(out, AttentionWeights(inputs, lse, fused_runner, p, impl))
 
 
 def scaled_dot_product_attention(

@@ -1,15 +1,20 @@
 """AttentionWeights: the attention probabilities, rebuilt on demand from the LSE.
 
 A fused kernel returns the output and, per query row, the log-sum-exp of its scores.
-Any weight is then p_ij = exp(s_ij - lse_i) with s_ij = scale * q_i . k_j + bias_ij:
-rows cost one GEMM and one exp, and nothing L x S is kept between calls (`sdpa.rows`
-does the work, tile by tile). The entropy costs one more fused call instead:
-H_i = lse_i - sum_j p_ij s_ij = lse_i - scale * q_i . (P K)_i, and P K is attention
-with the keys as values.
+Any weight is then p_ij = exp(s_ij - lse_i) (sdpa.tile, the one tile rule): rows cost
+one GEMM and one exp, and nothing L x S is kept between calls (`sdpa.rows` does the
+work, tile by tile).
 
-On CUDA with triton installed, `sdpa.kernels` serves the statistics in single passes:
-entropy and row max from one flash-style pass, attention received per key from q, k
-and the LSE; the chunked engine stays the fallback (and the oracle in the tests).
+Each read lists its providers in order, each with one eligibility rule (`PROVIDERS`):
+
+    held      the weights themselves, where the small backend kept them (or they are
+              small enough to compute whole in one product)
+    triton    a single-pass Triton kernel (CUDA with triton: settings.kernel_devices)
+    fused     one more fused call: the entropy as lse - scale * q . (P K), attention
+              received as the LSE of the call with queries and keys swapped
+    rows      the rows engine, tile by tile: serves everything (the reference)
+
+The first provider whose rule holds answers; adding a read is one entry.
 """
 
 from __future__ import annotations
@@ -18,33 +23,31 @@ import contextlib
 import math
 import operator
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from sdpa import kernels, masks, rows, settings
+from sdpa import kernels, masks, rows, settings, tile
 from sdpa.backends import small
 from sdpa.backends.reference import Reference
-from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
 from sdpa.errors import SdpaTypeError, SdpaValueError, StaleWeightsError
 from sdpa.inputs import Inputs, empty, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
 FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
-# Where the Triton kernels serve (kernel_devices), the largest structured mask they
-# take materialised (kernel_mask_bytes) and the |lse| past which the received-attention
-# kernel's float32 subtraction has lost digits (kernel_lse_limit): sdpa.settings.
 
 
 def chunked_engine() -> contextlib.AbstractContextManager:
-    """Within it, every statistic comes from the chunked engine, on every device: the
+    """Within it, every statistic comes from the rows engine, on every device: the
     reference the Triton kernels are checked and timed against (this thread / task only:
     `sdpa.settings.override(kernel_devices=set())`)."""
     return settings.override(kernel_devices=frozenset())
 
 
 def version_of(t: object) -> int | None:
-    """t's version counter (bumped by every in-place write), or None where there is
-    none to read: an inference tensor, a structured mask (immutable), None."""
+    """t's version counter (bumped by every in-place write through torch), or None where
+    there is none to read: an inference tensor, a structured mask (immutable), None."""
     if not isinstance(t, torch.Tensor) or t.is_inference():
         return None
     return t._version
@@ -63,6 +66,16 @@ def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
         return version_of(q), version_of(k), version_of(mask)
 
 
+class Provider(NamedTuple):
+    """One way to answer a read: its name, its one eligibility rule, its computation.
+    Both take the handle (compute also the read's arguments) and compute returns the
+    (B, Hq, ...) layout (or a tuple of them), or None where a kernel declined."""
+
+    name: str
+    serves: Callable[[AttentionWeights], bool]
+    compute: Callable[..., object]
+
+
 class AttentionWeights:
     """Lazy view of the attention weights, shape (*lead, L, S) (query heads for GQA).
 
@@ -70,12 +83,19 @@ class AttentionWeights:
     (..., Hq, L, S). Values are the softmax probabilities *before* dropout, in float32
     for 16-bit inputs. Rows that see no key are all 0.
 
-    The handle keeps q, k and the mask by reference, not by copy: if any of them is
-    modified in place after the call, every access raises StaleWeightsError rather than
-    answer for other inputs (tensors made under torch.inference_mode cannot be checked).
+    The handle keeps q, k and the mask by reference, not by copy. An in-place change
+    made through torch (k.mul_(2), a KV-cache write, resize_, set_) bumps their version
+    counters, and every access then raises StaleWeightsError rather than answer for
+    other inputs. Writes torch cannot see are not detected: through `.data`, a numpy
+    view (`t.numpy()`), or another tensor sharing the storage; nor are tensors made
+    under torch.inference_mode (they have no counter). Read the weights before such a
+    write, or pass a clone.
+
+    served_by: the backend and path that computed the call (e.g. "fused: one kernel
+    call"), as sdpa.explain describes them.
     """
 
-    __slots__ = ("_fused", "_inputs", "_lse", "_probs", "_versions")
+    __slots__ = ("_backend", "_fused", "_inputs", "_lse", "_probs", "_versions")
 
     def __init__(
         self,
@@ -83,40 +103,37 @@ class AttentionWeights:
         lse: torch.Tensor | None,
         fused: FusedRunner | None = None,
         probs: torch.Tensor | None = None,
+        backend: object = None,
     ):
         self._inputs = inputs
         self._lse = lse if lse is None or not lse.requires_grad else lse.detach()  # (B, Hq, L)
         self._fused = fused
-        # (B, Hq, L, S), detached, and its version: the weights themselves where a
-        # backend computed them (the small backend); dropped if changed in place
-        self._probs = None if probs is None else (probs, version_of(probs))
+        # (B, Hq, L, S), detached: the weights themselves where a backend computed them
+        # (the small backend) or one product did (_held); never handed out uncopied
+        self._probs = probs
         self._versions = _versions(inputs)
+        self._backend = backend  # the Backend that ran the call (None: made elsewhere)
 
-    def _kept(self) -> torch.Tensor | None:
-        """The whole weights (B, Hq, L, S) if kept (handed over by the backend, or
-        computed by _held), unless someone changed them in place since: w.full()
-        returns them without a copy, so they are then dropped (and recomputed)."""
-        if self._probs is None:
-            return None
-        p, version = self._probs
-        if version_of(p) == version:
-            return p
-        self._probs = None
-        return None
+    @property
+    def served_by(self) -> str:
+        """Which backend computed the call and how, e.g. "fused: one kernel call" (the
+        path as the backend decides it from these inputs; see sdpa.explain)."""
+        b = self._backend
+        if b is None:
+            return "not an attention call (weights made from an LSE)"
+        return f"{b.name}: {b.path(self._inputs)}"
+
+    # -- state ---------------------------------------------------------------------
 
     def _held(self) -> torch.Tensor | None:
-        """_kept, else computed in one product and kept where small (small.one_product)."""
-        p = self._kept()
+        """The whole weights (B, Hq, L, S) if the backend kept them, else computed in
+        one product and kept where small (small.one_product), else None."""
+        p = self._probs
         if p is None and small.one_product(self._inputs):
             with torch.no_grad(), no_autocast(self.device.type):
                 p = small.probabilities(self._inputs)
-            self._probs = (p, version_of(p))
+            self._probs = p
         return p
-
-    def _hand_out(self, view: torch.Tensor) -> torch.Tensor:
-        """A view of the kept weights for the caller: as it is where a change in place
-        would be noticed, else (inference tensors have no version counter) a copy."""
-        return view if self._probs[1] is not None else view.clone()
 
     def _log_sum_exp(self) -> torch.Tensor:
         """The LSE (B, Hq, L), computed on first use where the backend gave none."""
@@ -124,29 +141,6 @@ class AttentionWeights:
             with torch.no_grad(), no_autocast(self.device.type):
                 self._lse = Reference().forward(self._inputs._replace(dropout_p=0.0))[1]
         return self._lse
-
-    @property
-    def shape(self) -> torch.Size:
-        """Shape of the full weights, (*lead, L, S)."""
-        return torch.Size(self._inputs.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """float32 for 16-bit inputs, else the inputs' dtype."""
-        return self._inputs.compute_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._inputs.query.device
-
-    @property
-    def lse(self) -> torch.Tensor:
-        """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key."""
-        self._check_fresh()
-        return self._log_sum_exp().reshape(self.shape[:-1])
-
-    def __repr__(self) -> str:
-        return f"AttentionWeights(shape={tuple(self.shape)}, dtype={self.dtype}, lazy)"
 
     def _check_fresh(self) -> None:
         if _versions(self._inputs) == self._versions:
@@ -165,109 +159,99 @@ class AttentionWeights:
                 f"(e.g. before a KV-cache write or an optimizer step), or pass a clone"
             )
 
-    def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
-        """The dense weights, (*lead, L, S). Refuses, before allocating anything, when
-        they need more than max_bytes (None: no limit)."""
+    # -- properties ----------------------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the full weights, (*lead, L, S)."""
         self._check_fresh()
-        p = self._kept()  # (nothing to allocate: the budget needs no check within it)
-        if p is None or (max_bytes is not None and p.numel() * p.element_size() > max_bytes):
-            check_fits(
-                f"the dense weights in {self.dtype}",
-                tuple(self.shape),
-                torch.finfo(self.dtype).bits // 8,
-                max_bytes,
-                "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), "
-                "w.mean(dim=-2), w.entropy() and w.topk(k) work in O(chunk x S) memory; "
-                "or pass max_bytes=None",
-            )
-            if self._shape_only:
-                return self._zeros(*self.shape[len(self._inputs.lead) :])
-            p = self._held()
-            if p is None:
-                with torch.no_grad(), no_autocast(self.device.type):  # every row at once
-                    return rows.dense(self._rows()).reshape(self.shape)  # (*lead, L, S)
-        # no copy (if the caller changes it, _kept notices)
-        return self._hand_out(p if len(self._inputs.lead) == 2 else p.reshape(self.shape))
+        return torch.Size(self._inputs.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """float32 for 16-bit inputs, else the inputs' dtype."""
+        return self._inputs.compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._inputs.query.device
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key."""
+        self._check_fresh()
+        return self._log_sum_exp().reshape(self._inputs.shape[:-1])
+
+    def __repr__(self) -> str:
+        return f"AttentionWeights(shape={tuple(self._inputs.shape)}, dtype={self.dtype}, lazy)"
+
+    @property
+    def _shape_only(self) -> bool:
+        """Only the shape of an answer can be given: an empty batch, 0 heads, queries or
+        keys (every value is 0), or meta tensors (shapes without data)."""
+        i = self._inputs
+        if i.query.is_cpu:  # the common case, without building a device object
+            return i.no_work or empty(i.query.shape[0])
+        return i.no_work or empty(i.query.shape[0]) or self.device.type == "meta"
+
+    def _zeros(self, *tail: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Zeros (*lead, *tail), in the weights' dtype unless given: the answer where
+        nothing is seen (on the meta device, a tensor of that shape)."""
+        dtype = self.dtype if dtype is None else dtype
+        return torch.zeros((*self._inputs.lead, *tail), dtype=dtype, device=self.device)
+
+    def _lead(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, Hq, ...) -> (*lead, ...)."""
+        lead = self._inputs.lead
+        return t if len(lead) == 2 else t.reshape(*lead, *t.shape[2:])
+
+    def _provide(self, read: str, *args: object) -> object:
+        """The answer of the first provider of `read` whose rule holds (the last, the
+        rows engine, always does; a fused provider may still find the kernel unable)."""
+        with torch.no_grad(), no_autocast(self.device.type):
+            for provider in PROVIDERS[read]:
+                if provider.serves(self):
+                    answer = provider.compute(self, *args)
+                    if answer is not None:
+                        return answer
+        raise AssertionError(f"no provider answered {read}")  # the rows engine always does
+
+    # -- reads ---------------------------------------------------------------------
+
+    def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
+        """The dense weights, (*lead, L, S): a tensor of your own (editing it changes
+        nothing here). Refuses, before allocating anything, when they need more than
+        max_bytes (None: no limit)."""
+        max_bytes = check_max_bytes(max_bytes)
+        self._check_fresh()
+        check_fits(
+            f"the dense weights in {self.dtype}",
+            tuple(self._inputs.shape),
+            torch.finfo(self.dtype).bits // 8,
+            max_bytes,
+            "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), "
+            "w.mean(dim=-2), w.entropy() and w.topk(k) work in O(chunk x S) memory; "
+            "or pass max_bytes=None",
+        )
+        if self._shape_only:
+            return self._zeros(*self._inputs.shape[len(self._inputs.lead) :])
+        return self._lead(self._provide("full"))
 
     def __getitem__(self, index: object) -> torch.Tensor:
-        """Only the selected rows, computed from the LSE: ints and slices address the
-        leading dims and the query dim, e.g. w[0, :, 5] -> (H, S), w[0, 1, 10:20] ->
-        (10, S). The key dim takes an int, a slice or a list / 1-D integer tensor of key
-        indices, and only those columns are computed: w[0, :, :, j] -> (H, L) and
-        w[..., [j1, j2]] -> (..., L, 2) cost O(L x |J|), not O(L x S)."""
+        """Only the selected weights, computed from the LSE: ints and slices address the
+        leading dims; the query dim takes an int, a slice or a list / 1-D integer tensor
+        or array of query positions, and so does the key dim, e.g. w[0, :, 5] -> (H, S),
+        w[0, 1, 10:20] -> (10, S), w[0, :, :, j] -> (H, L), w[..., [j1, j2]] ->
+        (..., L, 2). A selection of rows costs O(rows x S), of keys O(L x keys)."""
         self._check_fresh()
-        i = self._inputs
-        lead, L, S = i.lead, i.query.shape[-2], i.key.shape[-2]
-        *lead_idx, q_idx, k_idx = _normalize_index(index, self.shape)
+        selection = _Selection.of(index, self._inputs)
         if self._shape_only:
-            return self._zeros(*self.shape[len(lead) :])[(*lead_idx, q_idx)][..., k_idx]
+            return selection.apply(self._zeros(*self._inputs.shape[len(self._inputs.lead) :]))
         held = self._held()
-        if held is not None:  # a view of the weights the backend kept
-            picked = held.reshape(self.shape)[(*lead_idx, q_idx)][..., k_idx]
-            return self._hand_out(picked)
-        has_heads = len(lead) >= 2  # 4-D+ inputs: lead is (*batch, Hq)
-        batch, batch_idx = (lead[:-1], lead_idx[:-1]) if has_heads else (lead, lead_idx)
-        head_idx = lead_idx[-1] if has_heads else slice(None)
-        sizes = [
-            len(range(*_as_slice(j).indices(n))) for j, n in zip(batch_idx, batch, strict=True)
-        ]
-
-        def pick(t: torch.Tensor, heads: slice | None, rows: slice | None) -> torch.Tensor:
-            """(B|1, H|1, L, ...) -> the selected (B', H', n, ...), as a view."""
-            t = t.expand(math.prod(batch), *t.shape[1:])  # (B, H|1, L, ...)
-            t = t.reshape(*batch, *t.shape[1:])[tuple(_as_slice(j) for j in batch_idx)]
-            t = t.reshape(math.prod(sizes), *t.shape[len(batch) :])  # (B', H|1, L, ...)
-            if heads is not None and t.shape[1] != 1:
-                t = t[:, heads]
-            return t if rows is None else t[:, :, rows]
-
-        heads, rows_ = _as_slice(head_idx), _as_slice(q_idx)
-        lse = pick(self._log_sum_exp()[..., None], heads, rows_)[..., 0]  # (B', H', n)
-        # a selection of keys, unless every key is asked for, or a row needs every key
-        every_key = (
-            isinstance(k_idx, slice) and range(*k_idx.indices(S)) == range(S)
-        ) or rows.needs_every_key(lse)
-        k_pos = None if every_key else _key_positions(k_idx, S, i.key.device)  # (m,)
-        k = _key_heads(
-            pick(i.key, None, None), i.query.shape[1], i.group, heads
-        )  # (B', Hkv', S, E)
-        q_pos = torch.arange(L, device=i.query.device)[rows_]
-        mask = i.mask
-        if isinstance(mask, masks.Mask):  # materialise just the selected rows and keys
-            keys = torch.arange(S, device=q_pos.device) if k_pos is None else k_pos
-            mask = mask.keep(q_pos, keys, L, S)[:, None]
-            mask = pick(mask, heads, None)  # (B', 1, n, m)
-        elif mask is not None:
-            mask = pick(mask, heads, rows_)  # (B'|1, H'|1, n, S)
-            mask = mask if k_pos is None else mask.index_select(-1, k_pos)  # (..., n, m)
-        selection = rows.Rows(
-            pick(i.query, heads, rows_),  # (B', H', n, E)
-            k if k_pos is None else k.index_select(2, k_pos),  # (B', Hkv', m, E)
-            lse,
-            mask,
-            q_pos,
-            i.causal,
-            L,
-            i.scale,
-            i.compute_dtype,
-            i.softcap,
-            None
-            if i.sinks is None
-            else pick(
-                i.sinks.detach(), heads, None if i.sinks.shape[-1] == 1 else rows_
-            ),  # (B', H', n|1)
-            k_pos,
-            None if k_pos is None else S,
-        )
+        if held is not None:  # a copy of the selected weights the backend kept
+            return selection.apply(held.reshape(self._inputs.shape)).clone()
         with torch.no_grad(), no_autocast(self.device.type):
-            p = rows.dense(selection)  # (B', H', n, S|m)
-        # int indices drop their dim, as in torch
-        p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, S|m)
-        drop = [*batch_idx, head_idx, q_idx] if has_heads else [*batch_idx, 0, q_idx]
-        p = p[tuple(0 if isinstance(d, int) else slice(None) for d in drop)]
-        if k_pos is None:
-            return p[..., k_idx]
-        return p[..., 0] if isinstance(k_idx, int) else p
+            return selection.read(self._inputs, self._log_sum_exp())
 
     def pairs(self, q_index: object, k_index: object) -> torch.Tensor:
         """The weights at chosen (query, key) pairs, computed from q, k and the LSE in
@@ -281,7 +265,7 @@ class AttentionWeights:
         i = self._inputs
         B, Hq, L, _ = i.query.shape
         S = i.key.shape[2]
-        batched = len(i.lead) == 2 or (len(i.lead) == 1 and i.query.shape[1] == 1)
+        batched = len(i.lead) == 2 or (len(i.lead) == 1 and Hq == 1)
         qi, kj = _pair_indices(q_index, k_index, L, S, B if batched else None, self.device)
         P = qi.shape[-1]
         if self._shape_only:
@@ -289,10 +273,9 @@ class AttentionWeights:
         held = self._held()
         if held is not None:  # (B, Hq, L, S): gather the pairs
             flat = (qi * S + kj)[:, None].expand(B, Hq, P)  # (B, Hq, P)
-            return held.reshape(B, Hq, L * S).gather(-1, flat).reshape(*i.lead, P)
+            return self._lead(held.reshape(B, Hq, L * S).gather(-1, flat))
         with torch.no_grad(), no_autocast(self.device.type):
-            p = rows.pair_probabilities(self._rows(), qi, kj)  # (B, Hq, P)
-        return p.reshape(*i.lead, P)
+            return self._lead(rows.pairs(i, self._log_sum_exp(), qi, kj))
 
     def diagonal(self, offset: int = 0) -> torch.Tensor:
         """The weights w[..., i, i + offset], as torch.diagonal(w.full(), offset, dim1=-2,
@@ -316,19 +299,9 @@ class AttentionWeights:
         that sees no key)."""
         self._check_query_dim(dim, "sum")
         self._check_fresh()
-        i = self._inputs
         if self._shape_only:
-            return self._zeros(i.key.shape[2])
-        held = self._held()
-        if held is not None:
-            return held.sum(dim=-2).reshape(*i.lead, i.key.shape[2])
-        with torch.no_grad(), no_autocast(self.device.type):
-            sums = self._received_kernel()
-            if sums is None:
-                sums = self._received_fused()
-            if sums is None:
-                sums = rows.key_sums(self._rows())
-        return sums.reshape(*i.lead, i.key.shape[2])
+            return self._zeros(self._inputs.key.shape[2])
+        return self._lead(self._provide("sum"))
 
     def mean(self, dim: int = -2) -> torch.Tensor:
         """sum(dim=-2) divided by the number of queries L: (*lead, S)."""
@@ -339,44 +312,23 @@ class AttentionWeights:
         """-sum_j p_ij ln p_ij for each query, in nats: (*lead, L); 0 for rows that see
         no key."""
         self._check_fresh()
-        i = self._inputs
         if self._shape_only:
-            return self._zeros(i.query.shape[2])
-        held = self._held()
-        if held is not None:  # -sum p ln p; p = 0 adds 0 * ln(tiny) = 0 (torch's entr is
-            # 3x slower on CPU)
-            logp = held.clamp_min(torch.finfo(held.dtype).tiny).log_()
-            h = logp.mul_(held).sum(dim=-1).neg_()
-            return h.reshape(*i.lead, i.query.shape[2])
-        with torch.no_grad(), no_autocast(self.device.type):
-            h = self._stats_kernel("entropy")
-            if h is None:
-                h = self._entropy_fused()
-            if h is None:
-                h = rows.entropy(self._rows())
-        return h.reshape(*i.lead, i.query.shape[2])
+            return self._zeros(self._inputs.query.shape[2])
+        return self._lead(self._provide("entropy"))
 
     def amax(self, dim: int = -1) -> torch.Tensor:
         """The largest weight of each query row, like torch.amax(w, dim=-1): (*lead, L);
         0 for rows that see no key. Only dim=-1 (over the keys)."""
-        if dim not in (-1, len(self.shape) - 1):
+        if dim not in (-1, len(self._inputs.shape) - 1):
             raise SdpaValueError(
                 f"amax works over the keys, dim=-1 (-> (..., L): each query's largest "
                 f"weight), got dim={dim}; for the queries a key attends most, use "
                 f"w[...] rows or w.sum(dim=-2)"
             )
         self._check_fresh()
-        i = self._inputs
         if self._shape_only:
-            return self._zeros(i.query.shape[2])
-        held = self._held()
-        if held is not None:
-            return held.amax(dim=-1).reshape(*i.lead, i.query.shape[2])
-        with torch.no_grad(), no_autocast(self.device.type):
-            top = self._stats_kernel("amax")
-            if top is None:
-                top = rows.topk(self._rows(), 1)[0][..., 0]  # (B, Hq, L)
-        return top.reshape(*i.lead, i.query.shape[2])
+            return self._zeros(self._inputs.query.shape[2])
+        return self._lead(self._provide("amax"))
 
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest weights of each query row and their key indices, like
@@ -387,160 +339,288 @@ class AttentionWeights:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= S:
             raise SdpaValueError(f"k must be an int in [0, S={S}], got {k!r}")
         self._check_fresh()
-        L = i.query.shape[2]
         if self._shape_only:
+            L = i.query.shape[2]
             return self._zeros(L, k), self._zeros(L, k, dtype=torch.long)
-        held = self._held()
-        if held is not None:
-            values, indices = held.topk(k, dim=-1)
-            return values.reshape(*i.lead, L, k), indices.reshape(*i.lead, L, k)
-        with torch.no_grad(), no_autocast(self.device.type):
-            values, indices = rows.topk(self._rows(), k)
-        return values.reshape(*i.lead, L, k), indices.reshape(*i.lead, L, k)
-
-    @property
-    def _shape_only(self) -> bool:
-        """Only the shape of an answer can be given: an empty batch, 0 heads, queries or
-        keys (every value is 0), or meta tensors (shapes without data)."""
-        i = self._inputs
-        if i.query.is_cpu:  # the common case, without building a device object
-            return i.no_work or empty(i.query.shape[0])
-        return i.no_work or empty(i.query.shape[0]) or self.device.type == "meta"
-
-    def _zeros(self, *tail: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Zeros (*lead, *tail), in the weights' dtype unless given: the answer where
-        nothing is seen (on the meta device, a tensor of that shape)."""
-        dtype = self.dtype if dtype is None else dtype
-        return torch.zeros((*self._inputs.lead, *tail), dtype=dtype, device=self.device)
+        values, indices = self._provide("topk", k)
+        return self._lead(values), self._lead(indices)
 
     def _check_query_dim(self, dim: int, what: str) -> None:
-        if dim not in (-2, len(self.shape) - 2):
+        if dim not in (-2, len(self._inputs.shape) - 2):
             raise SdpaValueError(
                 f"{what} works over the queries, dim=-2 (-> (..., S): attention each key "
                 f"receives), got dim={dim}; over the keys (dim=-1) every row sums to 1"
             )
 
-    def _rows(self) -> rows.Rows:
-        i = self._inputs
-        L = i.query.shape[-2]
-        q_pos = torch.arange(L, device=i.query.device)
-        sinks = None if i.sinks is None else i.sinks.detach()
-        return rows.Rows(
-            i.query, i.key, self._log_sum_exp(), i.mask, q_pos, i.causal, L, i.scale,
-            i.compute_dtype,
-            i.softcap, sinks,
-        )  # fmt: skip
+    def _every_row(self) -> rows.Rows:
+        return rows.Rows.every(self._inputs, self._log_sum_exp())
 
-    def _kernel_args(self) -> tuple | None:
-        """(q, k, mask tensor or None, causal) for the Triton kernels, or None where they
-        can't serve: not on the settings' kernel_devices, triton missing, an unsupported
-        dtype or head size, or a structured mask over kernel_mask_bytes."""
-        i = self._inputs
-        tuning = settings.get()
-        if self.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
+
+# -- providers -----------------------------------------------------------------------
+
+
+def _has_held(w: AttentionWeights) -> bool:
+    return w._held() is not None
+
+
+def _always(w: AttentionWeights) -> bool:
+    return True
+
+
+def _kernel_args(w: AttentionWeights) -> tuple | None:
+    """(q, k, mask tensor or None, causal) for the Triton kernels, or None where they
+    can't serve: not on the settings' kernel_devices, triton missing, an unsupported
+    dtype or head size, a softcap or sinks, or a structured mask over kernel_mask_bytes."""
+    i = w._inputs
+    tuning = settings.get()
+    if w.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
+        return None
+    if i.softcap is not None or i.sinks is not None:  # the kernels score plain q . k
+        return None
+    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
+    L, S = i.query.shape[2], i.key.shape[2]
+    if isinstance(mask, masks.Mask):
+        if (mask.batch or 1) * L * S > tuning.kernel_mask_bytes:
             return None
-        if i.softcap is not None or i.sinks is not None:  # the kernels score plain q . k
-            return None
-        mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
-        L, S = i.query.shape[2], i.key.shape[2]
-        if isinstance(mask, masks.Mask):
-            if (mask.batch or 1) * L * S > tuning.kernel_mask_bytes:
-                return None
-            mask = masks.as_4d(mask.materialize(L, S, self.device, max_bytes=None))  # (B|1,1,L,S)
-        return i.query, i.key, mask, causal
+        mask = masks.as_4d(mask.materialize(L, S, w.device, max_bytes=None))  # (B|1,1,L,S)
+    return i.query, i.key, mask, causal
 
-    def _stats_kernel(self, which: str) -> torch.Tensor | None:
-        """Entropy or row max (B, Hq, L) from the one-pass Triton kernel, or None."""
-        args = self._kernel_args()
-        if args is None:
-            return None
-        from sdpa.kernels.stats import forward_stats  # imports triton
 
-        q, k, mask, causal = args
-        scale = self._inputs.scale
-        _, _, entropy, top = forward_stats(q, k, None, mask, causal=causal, scale=scale)
-        return entropy if which == "entropy" else top
+def _triton_serves(w: AttentionWeights) -> bool:
+    return _kernel_args(w) is not None
 
-    def _received_kernel(self) -> torch.Tensor | None:
-        """Attention received per key (B, Hq, S) from the Triton kernel, or None."""
-        args = self._kernel_args()
-        limit = settings.get().kernel_lse_limit
-        if args is None or bool((self._log_sum_exp().abs() > limit).any()):
-            return None
-        from sdpa.kernels.received import received  # imports triton
 
-        q, k, mask, causal = args
-        return received(q, k, self._log_sum_exp(), mask, causal=causal, scale=self._inputs.scale)
+def _triton_stats(w: AttentionWeights, which: str) -> torch.Tensor:
+    """Entropy or row max (B, Hq, L) from the one-pass Triton kernel."""
+    from sdpa.kernels.stats import forward_stats  # imports triton
 
-    def _received_fused(self) -> torch.Tensor | None:
-        """Attention received per key (B, Hq, S) from one fused call with queries and
-        keys swapped, or None where it does not apply.
+    q, k, mask, causal = _kernel_args(w)
+    _, _, entropy, top = forward_stats(q, k, None, mask, causal=causal, scale=w._inputs.scale)
+    return entropy if which == "entropy" else top
 
-        sum_i p_ij = exp(log sum_i exp(s_ij - lse_i)): the LSE of an attention whose
-        queries are the keys. With the LSE folded into one more column,
-        scale * [k_j, 1] . [q_i, -lse_i / scale] = scale * q_i . k_j - lse_i, so the
-        swapped call needs no bias beyond the mask's transpose; under top-left causality
-        (key j is seen by queries i >= j) both sequences are reversed and the kernel
-        runs its own causal path. Serves where the fused kernel runs, without softcap
-        or sinks, with no mask, the top-left causal one (L == S) or a tensor mask that is
-        the same for every query (key padding: its transpose is one column, so nothing
-        L x S is allocated), and |lse| <= fold_lse_limit (the folded column then keeps
-        float32 error < 1e-5)."""
-        i = self._inputs
-        L, S = i.query.shape[2], i.key.shape[2]
-        mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
-        per_key = mask is None or (  # key padding: the same row for every query
-            isinstance(mask, torch.Tensor) and (mask.shape[-2] == 1 or mask.stride(-2) == 0)
+
+def _triton_received_serves(w: AttentionWeights) -> bool:
+    """The received kernel's float32 subtraction s - lse loses digits past
+    kernel_lse_limit (a huge finite bias): those calls go to the rows engine."""
+    limit = settings.get().kernel_lse_limit
+    return _triton_serves(w) and not bool((w._log_sum_exp().abs() > limit).any())
+
+
+def _triton_received(w: AttentionWeights) -> torch.Tensor:
+    """Attention received per key (B, Hq, S) from the Triton kernel."""
+    from sdpa.kernels.received import received  # imports triton
+
+    q, k, mask, causal = _kernel_args(w)
+    return received(q, k, w._log_sum_exp(), mask, causal=causal, scale=w._inputs.scale)
+
+
+def _fused_received_serves(w: AttentionWeights) -> bool:
+    """The swapped call serves where the fused kernel runs, without softcap or sinks, at
+    a non-zero scale, with no mask, the top-left causal one (L == S) or a tensor mask
+    that is the same for every query (key padding: its transpose is one column), and
+    |lse| <= fold_lse_limit (the folded column then keeps float32 error < 1e-5)."""
+    i = w._inputs
+    L, S = i.query.shape[2], i.key.shape[2]
+    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
+    per_key = mask is None or (  # key padding: the same row for every query
+        isinstance(mask, torch.Tensor) and (mask.shape[-2] == 1 or mask.stride(-2) == 0)
+    )
+    return (
+        w._fused is not None
+        and per_key
+        and not (causal and (L != S or mask is not None))
+        and i.softcap is None
+        and i.sinks is None
+        and i.scale != 0
+        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
+    )
+
+
+def _fused_received(w: AttentionWeights) -> torch.Tensor | None:
+    """Attention received per key (B, Hq, S) from one fused call with queries and keys
+    swapped: sum_i p_ij = exp(log sum_i exp(s_ij - lse_i)), the LSE of an attention
+    whose queries are the keys. With the LSE folded into one more column,
+    scale * [k_j, 1] . [q_i, -lse_i / scale] = scale * q_i . k_j - lse_i, so the swapped
+    call needs no bias beyond the mask's transpose; under top-left causality (key j is
+    seen by queries i >= j) both sequences are reversed and the kernel runs its own
+    causal path."""
+    i = w._inputs
+    L, S = i.query.shape[2], i.key.shape[2]
+    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
+    cd = i.compute_dtype
+    k = i.key.to(cd).repeat_interleave(i.group, dim=1)  # (B, Hq, S, E)
+    swapped_q = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hq, S, E+1)
+    lse = (-w._log_sum_exp() / i.scale)[..., None].to(cd)  # (B, Hq, L, 1)
+    swapped_k = torch.cat([i.query.to(cd).expand(*lse.shape[:-1], -1), lse], dim=-1)
+    if causal:  # (B, Hq, L, E+1): reversed, key j sees swapped keys i >= j
+        swapped_q, swapped_k = swapped_q.flip(2), swapped_k.flip(2)
+    seen = None
+    if mask is not None:  # one row (B|1, Hq|1, 1, S), seen by the swapped queries
+        row = mask[..., :1, :]
+        seen = row[..., 0, :] if row.dtype == torch.bool else ~torch.isneginf(row[..., 0, :])
+        mask = row.transpose(-2, -1).expand(*row.shape[:-2], S, L)  # (B|1, Hq|1, S, L)
+    nothing = swapped_k.new_zeros(*swapped_k.shape[:-1], 1)  # only the LSE is read
+    ran = w._fused(
+        i._replace(
+            query=swapped_q, key=swapped_k, value=nothing, mask=mask, causal=causal,
+            dropout_p=0.0,
         )
-        if (
-            self._fused is None
-            or not per_key
-            or (causal and (L != S or mask is not None))
-            or i.softcap is not None
-            or i.sinks is not None
-            or bool((self._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
-        ):
-            return None
-        cd = i.compute_dtype
-        k = i.key.to(cd).repeat_interleave(i.group, dim=1)  # (B, Hq, S, E)
-        swapped_q = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hq, S, E+1)
-        lse = (-self._log_sum_exp() / i.scale)[..., None].to(cd)  # (B, Hq, L, 1)
-        swapped_k = torch.cat([i.query.to(cd).expand(*lse.shape[:-1], -1), lse], dim=-1)
-        if causal:  # (B, Hq, L, E+1): reversed, key j sees swapped keys i >= j
-            swapped_q, swapped_k = swapped_q.flip(2), swapped_k.flip(2)
-        seen = None
-        if mask is not None:  # one row (B|1, Hq|1, 1, S), seen by the swapped queries
-            row = mask[..., :1, :]
-            seen = row[..., 0, :] if row.dtype == torch.bool else ~torch.isneginf(row[..., 0, :])
-            mask = row.transpose(-2, -1).expand(*row.shape[:-2], S, L)  # (B|1, Hq|1, S, L)
-        nothing = swapped_k.new_zeros(*swapped_k.shape[:-1], 1)  # only the LSE is read
-        ran = self._fused(
-            i._replace(
-                query=swapped_q, key=swapped_k, value=nothing, mask=mask, causal=causal,
-                dropout_p=0.0,
-            )
-        )  # fmt: skip
-        if ran is None:
-            return None
-        sums = ran[1].exp()  # (B, Hq, S)
-        if seen is not None:  # a key no query sees came back with the kernel's lse 0
-            sums = sums.masked_fill(~seen, 0.0)
-        return sums.flip(-1) if causal else sums
+    )  # fmt: skip
+    if ran is None:
+        return None
+    sums = ran[1].exp()  # (B, Hq, S)
+    if seen is not None:  # a key no query sees came back with the kernel's lse 0
+        sums = sums.masked_fill(~seen, 0.0)
+    return sums.flip(-1) if causal else sums
 
-    def _entropy_fused(self) -> torch.Tensor | None:
-        """H_i = lse_i - scale * q_i . (P K)_i with one fused call (keys as values); None
-        where the fused kernel can't serve, an additive mask needs sum_j p_ij b_ij, or a
-        softcap or sinks break the identity."""
-        i = self._inputs
-        additive = isinstance(i.mask, torch.Tensor) and i.mask.dtype != torch.bool
-        if self._fused is None or additive or i.softcap is not None or i.sinks is not None:
-            return None  # the identity needs rows summing to 1 and sum_j p_ij s_ij = q . PK
-        q, k = i.query.to(i.compute_dtype), i.key.to(i.compute_dtype)
-        ran = self._fused(i._replace(query=q, key=k, value=k, dropout_p=0.0))
-        if ran is None:
-            return None
-        pk, lse = ran  # (B, Hq, L, E), (B, Hq, L)
-        return lse - i.scale * (q * pk).sum(dim=-1)
+
+def _fused_entropy_serves(w: AttentionWeights) -> bool:
+    """The identity H_i = lse_i - scale * q_i . (P K)_i needs rows summing to 1 and
+    sum_j p_ij s_ij = scale * q_i . (P K)_i: no additive mask, softcap or sinks; finite
+    keys (0 * inf in P K would make every row NaN); and |lse| <= fold_lse_limit (past
+    it the difference lse - scale q . PK cancels the entropy's digits)."""
+    i = w._inputs
+    additive = isinstance(i.mask, torch.Tensor) and i.mask.dtype != torch.bool
+    return (
+        w._fused is not None
+        and not additive
+        and i.softcap is None
+        and i.sinks is None
+        and i.key.is_cpu  # (the checks below read the host)
+        and bool(torch.isfinite(i.key).all())
+        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
+    )
+
+
+def _fused_entropy(w: AttentionWeights) -> torch.Tensor | None:
+    i = w._inputs
+    q, k = i.query.to(i.compute_dtype), i.key.to(i.compute_dtype)
+    ran = w._fused(i._replace(query=q, key=k, value=k, dropout_p=0.0))
+    if ran is None:
+        return None
+    pk, lse = ran  # (B, Hq, L, E), (B, Hq, L)
+    return lse - i.scale * (q * pk).sum(dim=-1)
+
+
+def _held_entropy(w: AttentionWeights) -> torch.Tensor:
+    """-sum p ln p of the kept weights; p = 0 adds 0 * ln(tiny) = 0 (torch's entr is 3x
+    slower on CPU); a NaN row stays NaN."""
+    held = w._held()
+    logp = held.clamp_min(torch.finfo(held.dtype).tiny).log_()
+    return logp.mul_(held).sum(dim=-1).neg_()
+
+
+PROVIDERS: dict[str, tuple[Provider, ...]] = {
+    "full": (
+        Provider("held", _has_held, lambda w: w._held().clone()),
+        Provider("rows", _always, lambda w: rows.dense(w._every_row())),
+    ),
+    "sum": (
+        Provider("held", _has_held, lambda w: w._held().sum(dim=-2)),
+        Provider("triton", _triton_received_serves, _triton_received),
+        Provider("fused", _fused_received_serves, _fused_received),
+        Provider("rows", _always, lambda w: rows.key_sums(w._every_row())),
+    ),
+    "entropy": (
+        Provider("held", _has_held, _held_entropy),
+        Provider("triton", _triton_serves, lambda w: _triton_stats(w, "entropy")),
+        Provider("fused", _fused_entropy_serves, _fused_entropy),
+        Provider("rows", _always, lambda w: rows.entropy(w._every_row())),
+    ),
+    "amax": (
+        Provider("held", _has_held, lambda w: w._held().amax(dim=-1)),
+        Provider("triton", _triton_serves, lambda w: _triton_stats(w, "amax")),
+        Provider("rows", _always, lambda w: rows.amax(w._every_row())),
+    ),
+    "topk": (
+        Provider("held", _has_held, lambda w, k: w._held().topk(k, dim=-1)),
+        Provider("rows", _always, lambda w, k: rows.topk(w._every_row(), k)),
+    ),
+}
+"""Each read's providers, in order: the first whose rule (`serves`) holds answers."""
+
+
+# -- indexing ------------------------------------------------------------------------
+
+
+class _Selection(NamedTuple):
+    """An index of the weights in named parts: the leading dims' ints or slices, the
+    query rows and the keys (an int, a slice or a tensor of positions each)."""
+
+    lead_items: tuple[int | slice, ...]
+    q_item: int | slice | torch.Tensor
+    k_item: int | slice | torch.Tensor
+
+    @classmethod
+    def of(cls, index: object, inputs: Inputs) -> _Selection:
+        *lead_items, q_item, k_item = _normalize_index(index, torch.Size(inputs.shape))
+        return cls(tuple(lead_items), q_item, k_item)
+
+    def apply(self, p: torch.Tensor) -> torch.Tensor:
+        """The selection of dense weights (*lead, L, S), as torch indexes them (rows
+        first, then keys: two position lists select their outer product)."""
+        return p[(*self.lead_items, self.q_item)][..., self.k_item]
+
+    def read(self, inputs: Inputs, lse: torch.Tensor) -> torch.Tensor:
+        """The selected weights, computed: only these rows and keys."""
+        batch, heads, sizes = self._lead_parts(inputs)
+        device = inputs.query.device
+        q_rows, keys = _part(self.q_item, device), _part(self.k_item, device)
+        if isinstance(keys, slice) and range(*keys.indices(inputs.key.shape[2])) == range(
+            inputs.key.shape[2]
+        ):
+            keys = rows.ALL
+        r = rows.Rows(inputs, lse, batch, heads, q_rows, keys)
+        if not r.complete and rows.needs_every_key(_selected_lse(r)):
+            p = rows.dense(r._replace(keys=rows.ALL))[..., keys]  # such rows are read whole
+        else:
+            p = rows.dense(r)  # (B', H', n, m)
+        p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, m)
+        has_heads = len(inputs.lead) >= 2
+        drop = [*self.lead_items, self.q_item] if has_heads else [*self.lead_items, 0, self.q_item]
+        p = p[tuple(0 if isinstance(d, int) else slice(None) for d in drop)]  # ints drop dims
+        return p[..., 0] if isinstance(self.k_item, int) else p
+
+    def _lead_parts(self, inputs: Inputs) -> tuple[range, range, list[int]]:
+        """(batch elements among the B flattened ones, query heads, the sizes of the
+        selected batch dims)."""
+        lead = inputs.lead
+        has_heads = len(lead) >= 2
+        batch = lead[:-1] if has_heads else lead
+        batch_items = self.lead_items[:-1] if has_heads else self.lead_items
+        head_item = self.lead_items[-1] if has_heads else slice(None)
+        flat = torch.arange(math.prod(batch)).reshape(batch)[tuple(map(_as_slice, batch_items))]
+        heads = range(inputs.query.shape[1])[_as_slice(head_item)]
+        return _as_range(flat.reshape(-1)), heads, list(flat.shape)
+
+
+def _part(item: int | slice | torch.Tensor, device: torch.device) -> slice | torch.Tensor:
+    """A query or key index as the rows engine takes it: a slice or positions on device."""
+    return item.to(device) if isinstance(item, torch.Tensor) else _as_slice(item)
+
+
+def _selected_lse(r: rows.Rows) -> torch.Tensor:
+    """The LSE of a selection's rows, (B', H', n)."""
+    lse = r.lse[_range_slice(r.batch)][:, _range_slice(r.heads)]
+    return tile.cut(lse, 2, r.rows)
+
+
+def _range_slice(r: range) -> slice:
+    return slice(r.start, r.stop, r.step)
+
+
+def _as_range(flat: torch.Tensor) -> range:
+    """A 1-D tensor of increasing, evenly spaced indices as a range (batch selections
+    made of ints and slices always are)."""
+    if flat.numel() == 0:
+        return range(0)
+    first = int(flat[0])
+    step = int(flat[1] - flat[0]) if len(flat) > 1 else 1
+    return range(first, first + step * len(flat), step)
+
+
+def _as_slice(index: int | slice) -> slice:
+    return slice(index, index + 1) if isinstance(index, int) else index
 
 
 def _pair_indices(
@@ -550,7 +630,7 @@ def _pair_indices(
     one shape, (P,) or (B, P) (B given only for inputs with one batch dim), in range."""
     out = []
     for name, index, size in (("q_index", q_index, L), ("k_index", k_index, S)):
-        t = _key_list(index, size, name, 2)
+        t = _index_list(index, size, name, 2)
         if t is None:
             raise SdpaTypeError(
                 f"{name} must be an integer tensor or list of positions, (P,) or (B, P), "
@@ -569,34 +649,11 @@ def _pair_indices(
             f"{f' ({B})' if B is not None else ' (these inputs have no single batch dim)'}, "
             f"got q_index {tuple(qi.shape)}; pass (P,) for pairs shared by every batch element"
         )
-    rows = qi.shape[0] if qi.ndim == 2 else 1
-    return qi.reshape(rows, qi.shape[-1]).to(device), kj.reshape(rows, kj.shape[-1]).to(device)
+    n = qi.shape[0] if qi.ndim == 2 else 1
+    return qi.reshape(n, qi.shape[-1]).to(device), kj.reshape(n, kj.shape[-1]).to(device)
 
 
-def _key_heads(k: torch.Tensor, Hq: int, group: int, heads: slice) -> torch.Tensor:
-    """The key heads that query heads `heads` use (query head h uses key head
-    h // group, Inputs.group): a view when the slice covers whole groups, else one key
-    head per selected query head."""
-    start, stop, step = heads.indices(Hq)
-    if group == 1:
-        return k[:, heads]
-    if step == 1 and start % group == 0 and stop % group == 0:
-        return k[:, start // group : max(start, stop) // group]
-    return k[:, torch.arange(Hq)[heads] // group]
-
-
-def _as_slice(index: int | slice) -> slice:
-    return slice(index, index + 1) if isinstance(index, int) else index
-
-
-def _key_positions(index: int | slice | torch.Tensor, S: int, device: torch.device) -> torch.Tensor:
-    """The positions (m,) that a key-dim index selects among S keys."""
-    if isinstance(index, torch.Tensor):
-        return index.to(device)
-    return torch.arange(S, device=device)[_as_slice(index)]
-
-
-def _key_list(
+def _index_list(
     item: object, size: int, what: str = "the key dim", max_ndim: int = 1
 ) -> torch.Tensor | None:
     """A list, range or integer tensor / array (1-D, or up to max_ndim dims) of indices
@@ -632,22 +689,24 @@ def _key_list(
 
 def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | torch.Tensor]:
     """One int (non-negative, in range) or slice (positive step) per dim of `shape`; the
-    key dim (the last) may also be a (m,) int64 tensor of key indices."""
+    query and key dims (the last two) may also be (m,) int64 tensors of positions."""
     items = list(index) if isinstance(index, tuple) else [index]
-    if sum(item is Ellipsis for item in items) > 1:
+    ellipses = [n for n, item in enumerate(items) if item is Ellipsis]  # (identity: arrays)
+    if len(ellipses) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
+    if ellipses:
+        at = ellipses[0]
         items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
     if len(items) > len(shape):
         raise IndexError(f"too many indices for weights of shape {tuple(shape)}: got {len(items)}")
     items += [slice(None)] * (len(shape) - len(items))
-    out: list[int | slice] = []
+    out: list[int | slice | torch.Tensor] = []
     for dim, (item, size) in enumerate(zip(items, shape, strict=True)):
-        if dim == len(shape) - 1:
-            keys = _key_list(item, size)
-            if keys is not None:
-                out.append(keys)
+        if dim >= len(shape) - 2:  # the query and key dims also take lists of positions
+            what = "the key dim" if dim == len(shape) - 1 else "the query dim"
+            positions = _index_list(item, size, what)
+            if positions is not None:
+                out.append(positions)
                 continue
         tensor_with_dims = isinstance(item, torch.Tensor) and item.ndim > 0
         if (
@@ -660,9 +719,9 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | tor
         if isinstance(item, bool) or not isinstance(item, int | slice):
             raise SdpaTypeError(
                 f"AttentionWeights takes ints, slices and '...' as indices (they choose which "
-                f"rows to compute; the key dim also a list or 1-D integer tensor of keys), got "
-                f"{type(item).__name__} for dim {dim}; index the resulting tensor for anything "
-                f"else"
+                f"rows to compute; the query and key dims also a list or 1-D integer tensor "
+                f"of positions), got {type(item).__name__} for dim {dim}; index the "
+                f"resulting tensor for anything else"
             )
         if isinstance(item, int):
             if not -size <= item < size:
