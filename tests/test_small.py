@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import sdpa
-from sdpa import listing, masks
-from sdpa import tile
+from sdpa import listing, masks, tile
 from sdpa.backends import select, select_fast, small
 from sdpa.inputs import fast_normalize, normalize
 from sdpa.settings import override
