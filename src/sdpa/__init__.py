@@ -10,7 +10,7 @@ from sdpa.errors import (
     StaleWeightsError,
     WeightsTooLargeError,
 )
-from sdpa.functional import AttentionResult, attention, scaled_dot_product_attention
+from sdpa.functional import AttentionResult, attention, frozen, scaled_dot_product_attention
 from sdpa.nn import MultiHeadAttention, PositionalEncoding, SpatialSelfAttention
 from sdpa.weights import AttentionWeights
 
@@ -26,6 +26,7 @@ __all__ = [
     "StaleWeightsError",
     "WeightsTooLargeError",
     "attention",
+    "frozen",
     "masks",
     "scaled_dot_product_attention",
     "settings",

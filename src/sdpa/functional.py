@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -28,6 +31,59 @@ def fused_runner(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     return BACKENDS["fused"].forward(inputs)
 
 
+_FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("sdpa_frozen", default=False)
+# How many sdpa.frozen() blocks are open, in any thread: a plain int read on every call
+# (torch.compile guards on it); only when it is not 0 is the ContextVar read.
+_frozen_blocks = 0
+
+
+@contextlib.contextmanager
+def frozen() -> Iterator[None]:
+    """Within the block, every sdpa attention call holds its pattern constant in the
+    backward: gradients flow to the values and through the output only, and q, k (and a
+    float mask or sinks) get none from the call, as attribution methods that freeze
+    attention need (circuit-tracer's frozen patterns). It runs at the fused kernel's
+    cost (the call is attention(q.detach(), k.detach(), v)). Every model's calls in the
+    block are frozen, for this thread / asyncio task. The weights of such calls refuse
+    gradients (with grad enabled a read raises) rather than come back detached.
+
+        with sdpa.frozen():
+            loss = model(**batch).loss       # patterns constant in the backward
+        loss.backward()                      # only through the values
+    """
+    global _frozen_blocks
+    token = _FROZEN.set(True)
+    _frozen_blocks += 1
+    try:
+        yield
+    finally:
+        _frozen_blocks -= 1
+        _FROZEN.reset(token)
+
+
+@torch.compiler.disable
+def _frozen_here() -> bool:
+    """Whether this thread / task is inside sdpa.frozen() (runs outside a compiled graph)."""
+    return _FROZEN.get()
+
+
+def _freeze(inputs: Inputs) -> Inputs:
+    """The inputs with q, k, a float mask and the sinks detached."""
+    mask, sinks = inputs.mask, inputs.sinks
+    return inputs._replace(
+        query=inputs.query.detach(),
+        key=inputs.key.detach(),
+        mask=mask.detach() if isinstance(mask, torch.Tensor) else mask,
+        sinks=None if sinks is None else sinks.detach(),
+    )
+
+
+def _wanted_grad(query: object, key: object, mask: object) -> bool:
+    """Whether q, k or a mask (or its sinks) the user passed required grad."""
+    parts = [query, key, mask, getattr(mask, "mask", None), getattr(mask, "sinks", None)]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in parts)
+
+
 def _compute(
     query, key, value, mask, causal, scale, dropout_p, backend: str, **torch_rules
 ) -> tuple[Inputs, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Backend]:
@@ -35,7 +91,7 @@ def _compute(
     where the backend computed them, else None, the backend that ran). The common calls
     are recognised in O(1) from types and shapes (fast_normalize: 4-D, autocast off,
     nothing to reshape); the rest are validated in full."""
-    if backend == "auto":
+    if backend == "auto" and not _frozen_blocks:
         inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p,
                                 torch_rules.get("gqa", True))  # fmt: skip
         if inputs is not None:
@@ -44,6 +100,8 @@ def _compute(
     inputs = normalize(
         query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p, **torch_rules
     )
+    if _frozen_blocks and _frozen_here():
+        inputs = _freeze(inputs)
     impl = select(inputs, backend)
     with no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
         out, lse, p = impl.run(inputs)
@@ -89,7 +147,10 @@ def attention(
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
     inputs, out, lse, p, impl = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
-    return AttentionResult(out, AttentionWeights(inputs, lse, fused_runner, p, impl))
+    frozen_call = bool(_frozen_blocks) and _frozen_here() and _wanted_grad(query, key, mask)
+    return AttentionResult(
+        out, AttentionWeights(inputs, lse, fused_runner, p, impl, frozen=frozen_call)
+    )
 
 
 def scaled_dot_product_attention(

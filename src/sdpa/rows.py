@@ -19,7 +19,7 @@ p = exp(s - lse), and rows past the limit are read whole (`needs_every_key`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -273,6 +273,64 @@ def amax(r: Rows) -> torch.Tensor:
         top = shifted.amax(dim=-1, keepdim=True)
         total = tile.normalizer(shifted.exp_(), c, sinks)
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = top.exp_().div_(total)[..., 0]
+    return out
+
+
+def log_weights(r: Rows, t: Tile) -> torch.Tensor:
+    """log p of a tile of complete rows, (1, h, rows, S), normalised by each row's own
+    sum: -inf where a key is excluded (every key of a row that sees none)."""
+    shifted, c, sinks = _shifted(r, t, None)
+    total = tile.normalizer(shifted.exp(), c, sinks)
+    return shifted.sub_(total.log_())
+
+
+def kl(r: Rows, other: Callable[[Tile], torch.Tensor], reverse: bool) -> torch.Tensor:
+    """KL(Q || P) per row, (B', H', n), P the weights of `r` (every key), Q = exp of
+    other(tile), the other side's log-weights on the same tile; with reverse, KL(P || Q).
+    A key where the first argument is 0 adds 0; where only the second is, +inf."""
+    B, H, n, _ = r.shape
+    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    for t in tiles(r, settings.get().chunk_bytes // 2):  # two tiles at once
+        lp, lq = log_weights(r, t), other(t)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.kl_of(lp, lq, reverse)
+    return out
+
+
+def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
+    """u^T P over the rows: u (B', H', F, n) -> (B', H', F, S), one tile at a time."""
+    B, H, _, m = r.shape
+    F = u.shape[2]
+    out = torch.zeros(B, H, F, m, dtype=r.dtype, device=r.device)
+    for t, shifted, c, sinks in _each(r):
+        e = shifted.exp_()
+        p = e.div_(tile.normalizer(e, c, sinks))  # (1, h, rows, S)
+        ut = u[t.at_b : t.at_b + 1, t.at_h][..., t.at_r].to(r.dtype)  # (1, h, F, rows)
+        out[t.at_b : t.at_b + 1, t.at_h] += torch.matmul(ut, p)
+    return out
+
+
+def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
+    """d(u^T P)/du given the upstream g (B', H', F, S): g P^T, (B', H', F, n)."""
+    B, H, n, _ = r.shape
+    out = torch.empty(B, H, g.shape[2], n, dtype=r.dtype, device=r.device)
+    for t, shifted, c, sinks in _each(r):
+        e = shifted.exp_()
+        p = e.div_(tile.normalizer(e, c, sinks))
+        gt = g[t.at_b : t.at_b + 1, t.at_h].to(r.dtype)  # (1, h, F, S)
+        out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, p.mT)
+    return out
+
+
+def max_logits(r: Rows) -> torch.Tensor:
+    """Each row's largest raw score (scale and float mask, no softcap), (B', H', n):
+    -inf where a row sees no key."""
+    B, H, n, _ = r.shape
+    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    raw = tile.Scoring(r.inputs.scale)  # before the softcap
+    for t in tiles(r, settings.get().chunk_bytes):
+        q, k, _, _, window = operands(r, t)
+        s = tile.exclude(tile.scores(q, k, raw), window)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = s.amax(dim=-1)
     return out
 
 

@@ -433,6 +433,15 @@ def rebuild(t: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return t.sub_(lse[..., None]).exp_()
 
 
+def kl_of(logp: torch.Tensor, logq: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """KL(Q || P) = sum_j q (log q - log p) per row of log-weights (B, H, n, m), or with
+    reverse KL(P || Q); 0 * log 0 = 0: a key the first distribution gives 0 adds 0."""
+    first, second = (logp, logq) if reverse else (logq, logp)
+    w = first.exp()
+    terms = torch.where(w > 0, w * (first - second), 0.0)
+    return terms.sum(dim=-1)
+
+
 def merge(
     out_a: torch.Tensor,
     lse_a: torch.Tensor,

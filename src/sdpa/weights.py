@@ -27,12 +27,12 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa import kernels, masks, rows, settings, tile
+from sdpa import grads, kernels, masks, rows, settings, tile
 from sdpa.backends import small
 from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
-from sdpa.errors import SdpaTypeError, SdpaValueError, StaleWeightsError
-from sdpa.inputs import Inputs, empty, no_autocast
+from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
+from sdpa.inputs import Inputs, check_flag, empty, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
 FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
@@ -66,6 +66,14 @@ def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
         return version_of(q), version_of(k), version_of(mask)
 
 
+class MaxLogits(NamedTuple):
+    """AttentionWeights.max_logits(): each row's largest raw score (*lead, L) and the
+    largest over the rows (*lead): per head for inputs with heads."""
+
+    row: torch.Tensor
+    head: torch.Tensor
+
+
 class Provider(NamedTuple):
     """One way to answer a read: its name, its one eligibility rule, its computation.
     Both take the handle (compute also the read's arguments) and compute returns the
@@ -95,7 +103,7 @@ class AttentionWeights:
     call"), as sdpa.explain describes them.
     """
 
-    __slots__ = ("_backend", "_fused", "_inputs", "_lse", "_probs", "_versions")
+    __slots__ = ("_backend", "_frozen", "_fused", "_inputs", "_lse", "_probs", "_versions")
 
     def __init__(
         self,
@@ -104,6 +112,7 @@ class AttentionWeights:
         fused: FusedRunner | None = None,
         probs: torch.Tensor | None = None,
         backend: object = None,
+        frozen: bool = False,
     ):
         self._inputs = inputs
         self._lse = lse if lse is None or not lse.requires_grad else lse.detach()  # (B, Hq, L)
@@ -113,6 +122,7 @@ class AttentionWeights:
         self._probs = probs
         self._versions = _versions(inputs)
         self._backend = backend  # the Backend that ran the call (None: made elsewhere)
+        self._frozen = frozen  # made under sdpa.frozen() from q / k that required grad
 
     @property
     def served_by(self) -> str:
@@ -125,15 +135,32 @@ class AttentionWeights:
 
     # -- state ---------------------------------------------------------------------
 
-    def _held(self) -> torch.Tensor | None:
+    def _held(self, grad: bool = False) -> torch.Tensor | None:
         """The whole weights (B, Hq, L, S) if the backend kept them, else computed in
-        one product and kept where small (small.one_product), else None."""
+        one product and kept where small (small.one_product), else None. With grad,
+        only weights inside the autograd graph (torch then differentiates every read of
+        them): computed with autograd where small."""
         p = self._probs
-        if p is None and small.one_product(self._inputs):
-            with torch.no_grad(), no_autocast(self.device.type):
+        if p is not None and (not grad or p.requires_grad):
+            return p
+        if small.one_product(self._inputs):
+            with torch.set_grad_enabled(grad), no_autocast(self.device.type):
                 p = small.probabilities(self._inputs)
             self._probs = p
-        return p
+            return p
+        return None
+
+    def _needs(self, inputs: Inputs | None = None) -> grads.Needs | None:
+        """Which inputs a read must carry gradients to (None: no read needs any). The
+        weights of a call under sdpa.frozen() refuse: their q and k were detached."""
+        if self._frozen and torch.is_grad_enabled():
+            raise NotSupportedError(
+                "these weights come from a call under sdpa.frozen(): the pattern was held "
+                "constant, so its reads carry no gradient to q and k; read them under "
+                "torch.no_grad(), or make the call outside sdpa.frozen() to differentiate "
+                "them"
+            )
+        return grads.needs(self._inputs if inputs is None else inputs)
 
     def _log_sum_exp(self) -> torch.Tensor:
         """The LSE (B, Hq, L), computed on first use where the backend gave none."""
@@ -178,9 +205,16 @@ class AttentionWeights:
 
     @property
     def lse(self) -> torch.Tensor:
-        """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key."""
+        """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key.
+        Differentiable (dlse_i / ds_ij = p_ij)."""
         self._check_fresh()
-        return self._log_sum_exp().reshape(self._inputs.shape[:-1])
+        lse = self._log_sum_exp()
+        needs = self._needs()
+        if needs is not None and not self._shape_only:
+            lse = grads.read(
+                grads.Spec(self._inputs, lse, self._every_row(), grads.lse_rule(), needs, lse.clone)
+            )
+        return lse.reshape(self._inputs.shape[:-1])
 
     def __repr__(self) -> str:
         return f"AttentionWeights(shape={tuple(self._inputs.shape)}, dtype={self.dtype}, lazy)"
@@ -205,16 +239,46 @@ class AttentionWeights:
         lead = self._inputs.lead
         return t if len(lead) == 2 else t.reshape(*lead, *t.shape[2:])
 
-    def _provide(self, read: str, *args: object) -> object:
+    def _provide(self, read: str, *args: object, held: bool = True) -> object:
         """The answer of the first provider of `read` whose rule holds (the last, the
-        rows engine, always does; a fused provider may still find the kernel unable)."""
+        rows engine, always does; a fused provider may still find the kernel unable),
+        without autograd."""
         with torch.no_grad(), no_autocast(self.device.type):
             for provider in PROVIDERS[read]:
-                if provider.serves(self):
+                if (held or provider.name != "held") and provider.serves(self):
                     answer = provider.compute(self, *args)
                     if answer is not None:
                         return answer
         raise AssertionError(f"no provider answered {read}")  # the rows engine always does
+
+    def _read(
+        self,
+        read: str,
+        *args: object,
+        rule: Callable[[object], grads.Rule],
+        selection: rows.Rows | None = None,
+    ) -> object:
+        """A read's answer, carrying its gradient where q, k, a float mask or the sinks
+        require grad: through torch's own ops on weights kept inside the autograd graph,
+        else through grads.read (the tile-by-tile backward of `rule(value)`)."""
+        needs = self._needs()
+        if needs is None:
+            return self._provide(read, *args)
+        held = self._held(grad=True)
+        if held is not None:  # in the graph: torch differentiates the read
+            with no_autocast(self.device.type):
+                return PROVIDERS[read][0].compute(self, *args)
+        value = self._provide(read, *args, held=False)
+        spec = grads.Spec(
+            self._inputs,
+            self._log_sum_exp(),
+            self._every_row() if selection is None else selection,
+            rule(value),
+            needs,
+            lambda: value[0] if isinstance(value, tuple) else value,
+        )
+        out = grads.read(spec)
+        return (out, value[1]) if isinstance(value, tuple) else out
 
     # -- reads ---------------------------------------------------------------------
 
@@ -235,7 +299,7 @@ class AttentionWeights:
         )
         if self._shape_only:
             return self._zeros(*self._inputs.shape[len(self._inputs.lead) :])
-        return self._lead(self._provide("full"))
+        return self._lead(self._read("full", rule=lambda _: grads.rows_rule(rows.ALL)))
 
     def __getitem__(self, index: object) -> torch.Tensor:
         """Only the selected weights, computed from the LSE: ints and slices address the
@@ -247,11 +311,11 @@ class AttentionWeights:
         selection = _Selection.of(index, self._inputs)
         if self._shape_only:
             return selection.apply(self._zeros(*self._inputs.shape[len(self._inputs.lead) :]))
-        held = self._held()
+        needs = self._needs()
+        held = self._held(grad=needs is not None)
         if held is not None:  # a copy of the selected weights the backend kept
             return selection.apply(held.reshape(self._inputs.shape)).clone()
-        with torch.no_grad(), no_autocast(self.device.type):
-            return selection.read(self._inputs, self._log_sum_exp())
+        return selection.read(self._inputs, self._log_sum_exp(), needs)
 
     def pairs(self, q_index: object, k_index: object) -> torch.Tensor:
         """The weights at chosen (query, key) pairs, computed from q, k and the LSE in
@@ -270,12 +334,19 @@ class AttentionWeights:
         P = qi.shape[-1]
         if self._shape_only:
             return self._zeros(P)
-        held = self._held()
+        needs = self._needs()
+        held = self._held(grad=needs is not None)
         if held is not None:  # (B, Hq, L, S): gather the pairs
             flat = (qi * S + kj)[:, None].expand(B, Hq, P)  # (B, Hq, P)
             return self._lead(held.reshape(B, Hq, L * S).gather(-1, flat))
+        lse = self._log_sum_exp()
         with torch.no_grad(), no_autocast(self.device.type):
-            return self._lead(rows.pairs(i, self._log_sum_exp(), qi, kj))
+            p = rows.pairs(i, lse, qi, kj)  # (B, Hq, P)
+        if needs is not None:
+            value = p
+            rule = grads.pairs_rule(qi, kj, S)
+            p = grads.read(grads.Spec(i, lse, self._every_row(), rule, needs, lambda: value))
+        return self._lead(p)
 
     def diagonal(self, offset: int = 0) -> torch.Tensor:
         """The weights w[..., i, i + offset], as torch.diagonal(w.full(), offset, dim1=-2,
@@ -292,6 +363,140 @@ class AttentionWeights:
         q_index = torch.arange(first, max(first, last))
         return self.pairs(q_index, q_index + offset)
 
+    def kl(
+        self, other: AttentionWeights | torch.Tensor, reverse: bool = False, head_map=None
+    ) -> torch.Tensor:
+        """The KL divergence between other weights and these, per query row, in nats:
+        (*lead, L). w.kl(t) = KL(t || w) = sum_j t_ij ln(t_ij / w_ij), the distillation
+        loss with w the student and t the teacher; reverse=True gives KL(w || t).
+
+        other: AttentionWeights over the same batch, queries and keys (its own q, k,
+        mask and heads), or a dense target tensor broadcasting to (*lead, L, S).
+        head_map: for weights with other heads, which of other's query heads each of
+        these heads is compared with (a list or 1-D integer tensor of length Hq).
+        Differentiable into both sides as they require grad, tile by tile (never
+        L x S): into w, g (w - t) (forward) or g w (ln w - ln t - KL) (reverse)."""
+        check_flag("reverse", reverse)
+        self._check_fresh()
+        i = self._inputs
+        mine = self._every_row()
+        if isinstance(other, AttentionWeights):
+            other._check_fresh()
+            o_inputs, o_lse = _aligned(other, head_map, i)
+            theirs = rows.Rows.every(o_inputs, o_lse)
+
+            def other_tile(t):
+                return rows.log_weights(theirs, t)
+        elif isinstance(other, torch.Tensor):
+            if head_map is not None:
+                raise SdpaValueError(
+                    "head_map applies to AttentionWeights; a dense target "
+                    "already has these weights' heads (*lead, L, S)"
+                )
+            target = _dense_target(other, i)  # (B|1, Hq|1, L, S)
+            theirs = None
+
+            def other_tile(t):
+                return _target_tile(target, t).log()
+        else:
+            raise SdpaTypeError(
+                f"kl takes AttentionWeights or a dense target tensor (*lead, L, S), got "
+                f"{type(other).__name__}"
+            )
+        if self._shape_only:
+            return self._zeros(i.query.shape[2])
+        with torch.no_grad(), no_autocast(self.device.type):
+            value = rows.kl(mine, other_tile, reverse)  # (B, Hq, L)
+        sides, extras = [], []
+        needs = self._needs()
+        if needs is not None:
+            rule = grads.kl_rule(other_tile, weighs=reverse)
+            sides.append(grads.Side(i, self._log_sum_exp(), mine, rule, needs))
+        if theirs is not None and (o_needs := other._needs(theirs.inputs)) is not None:
+
+            def my_tile(t):
+                return rows.log_weights(mine, t)
+
+            rule = grads.kl_rule(my_tile, weighs=not reverse)
+            sides.append(grads.Side(theirs.inputs, theirs.lse, theirs, rule, o_needs))
+        if theirs is None and torch.is_grad_enabled() and other.requires_grad:
+            extras.append((other, _target_grad(mine, target, other, reverse)))
+        if sides or extras:
+            value = grads.read_sides(lambda v=value: v, sides, extras)
+        return self._lead(value)
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        """w @ x: P X for x broadcasting to (*lead, S, F) -> (*lead, L, F), in the
+        weights' dtype: the attention of these queries and keys with x as the values
+        (one fused call, differentiable in q, k, x, a float mask and the sinks; never
+        L x S). Rollout, span mass and value-weighted reads are such products."""
+        self._check_fresh()
+        i = self._inputs
+        xb = _per_head(x, i, "x", -2)  # (B, Hq, S, F)
+        held = self._held(grad=self._needs() is not None or xb.requires_grad)
+        if held is not None:
+            return self._lead(torch.matmul(held, xb.to(held.dtype)))
+        from sdpa.backends import select  # (the registry imports this module's layer)
+
+        key = i.key if i.group == 1 else i.key.repeat_interleave(i.group, dim=1)  # (B,Hq,S,E)
+        run = i._replace(key=key, value=xb.to(i.query.dtype), dropout_p=0.0)
+        with no_autocast(self.device.type):
+            out = select(run).run(run)[0]  # (B, Hq, L, F)
+        return self._lead(out.to(self.dtype))
+
+    def __rmatmul__(self, u: torch.Tensor) -> torch.Tensor:
+        """u @ w: u^T P for u broadcasting to (*lead, F, L) -> (*lead, F, S) (u of shape
+        (..., L) gives (*lead, S)): weights summed over queries with weights of your
+        own, e.g. one step of attention rollout. Tile by tile, never L x S;
+        differentiable in u, q, k, a float mask and the sinks."""
+        self._check_fresh()
+        i = self._inputs
+        vector = isinstance(u, torch.Tensor) and u.ndim == 1
+        ub = _per_head(u[None] if vector else u, i, "u", -1)  # (B, Hq, F, L)
+        S = i.key.shape[2]
+        needs = self._needs()
+        held = self._held(grad=needs is not None or ub.requires_grad)
+        if held is not None:
+            out = torch.matmul(ub.to(held.dtype), held)
+        elif self._shape_only:
+            out = torch.zeros(*ub.shape[:-1], S, dtype=self.dtype, device=self.device)
+        else:
+            r = self._every_row()
+            with torch.no_grad(), no_autocast(self.device.type):
+                out = rows.weighted_rows(r, ub.detach())  # (B, Hq, F, S)
+            extras = []
+            if torch.is_grad_enabled() and ub.requires_grad:
+                extras.append((ub, lambda g, r=r: rows.weighted_rows_grad(r, g)))
+            if needs is not None or extras:
+                sides = []
+                if needs is not None:
+                    rule = grads.weighted_rows_rule(ub.detach())
+                    sides.append(grads.Side(i, self._log_sum_exp(), r, rule, needs))
+                out = grads.read_sides(lambda v=out: v, sides, extras)
+        out = self._lead(out)
+        return out[..., 0, :] if vector else out
+
+    def max_logits(self) -> MaxLogits:
+        """The largest raw score of each query row, after the scale and any float mask,
+        before the softcap and the softmax: MaxLogits(row (*lead, L), head (*lead)), head
+        the maximum over the rows (what QK-clip / MuonClip read at every step). -inf for
+        rows that see no key. One pass of q k^T on CPU, tile by tile. Forward only: it
+        refuses to run where its inputs require grad (compute it under torch.no_grad())."""
+        self._check_fresh()
+        i = self._inputs
+        if self._needs() is not None:
+            raise NotSupportedError(
+                "max_logits is forward only (no gradient): call it under torch.no_grad(), "
+                "as QK-clip reads it outside the loss"
+            )
+        if self._shape_only:
+            row = torch.full((*i.lead, i.query.shape[2]), -torch.inf, device=self.device)
+        else:
+            with no_autocast(self.device.type):
+                row = self._lead(rows.max_logits(self._every_row()))
+        head = row.amax(dim=-1) if row.shape[-1] else row.new_full(row.shape[:-1], -torch.inf)
+        return MaxLogits(row, head)
+
     def sum(self, dim: int = -2) -> torch.Tensor:
         """Attention each key receives, summed over the queries: (*lead, S).
 
@@ -301,7 +506,7 @@ class AttentionWeights:
         self._check_fresh()
         if self._shape_only:
             return self._zeros(self._inputs.key.shape[2])
-        return self._lead(self._provide("sum"))
+        return self._lead(self._read("sum", rule=lambda _: grads.key_sums_rule()))
 
     def mean(self, dim: int = -2) -> torch.Tensor:
         """sum(dim=-2) divided by the number of queries L: (*lead, S)."""
@@ -314,7 +519,7 @@ class AttentionWeights:
         self._check_fresh()
         if self._shape_only:
             return self._zeros(self._inputs.query.shape[2])
-        return self._lead(self._provide("entropy"))
+        return self._lead(self._read("entropy", rule=lambda _: grads.entropy_rule()))
 
     def amax(self, dim: int = -1) -> torch.Tensor:
         """The largest weight of each query row, like torch.amax(w, dim=-1): (*lead, L);
@@ -328,7 +533,7 @@ class AttentionWeights:
         self._check_fresh()
         if self._shape_only:
             return self._zeros(self._inputs.query.shape[2])
-        return self._lead(self._provide("amax"))
+        return self._lead(self._read("amax", rule=grads.amax_rule))
 
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest weights of each query row and their key indices, like
@@ -342,7 +547,7 @@ class AttentionWeights:
         if self._shape_only:
             L = i.query.shape[2]
             return self._zeros(L, k), self._zeros(L, k, dtype=torch.long)
-        values, indices = self._provide("topk", k)
+        values, indices = self._read("topk", k, rule=lambda v: grads.topk_rule(v[1]))
         return self._lead(values), self._lead(indices)
 
     def _check_query_dim(self, dim: int, what: str) -> None:
@@ -506,7 +711,9 @@ def _held_entropy(w: AttentionWeights) -> torch.Tensor:
     """-sum p ln p of the kept weights; p = 0 adds 0 * ln(tiny) = 0 (torch's entr is 3x
     slower on CPU); a NaN row stays NaN."""
     held = w._held()
-    logp = held.clamp_min(torch.finfo(held.dtype).tiny).log_()
+    logp = held.clamp_min(torch.finfo(held.dtype).tiny).log()
+    if held.requires_grad and torch.is_grad_enabled():  # (out of place: autograd reads them)
+        return -(logp * held).sum(dim=-1)
     return logp.mul_(held).sum(dim=-1).neg_()
 
 
@@ -561,8 +768,9 @@ class _Selection(NamedTuple):
         first, then keys: two position lists select their outer product)."""
         return p[(*self.lead_items, self.q_item)][..., self.k_item]
 
-    def read(self, inputs: Inputs, lse: torch.Tensor) -> torch.Tensor:
-        """The selected weights, computed: only these rows and keys."""
+    def read(self, inputs: Inputs, lse: torch.Tensor, needs: grads.Needs | None) -> torch.Tensor:
+        """The selected weights, computed: only these rows and keys (their backward,
+        where needs says so, reads every key of these rows)."""
         batch, heads, sizes = self._lead_parts(inputs)
         device = inputs.query.device
         q_rows, keys = _part(self.q_item, device), _part(self.k_item, device)
@@ -571,10 +779,14 @@ class _Selection(NamedTuple):
         ):
             keys = rows.ALL
         r = rows.Rows(inputs, lse, batch, heads, q_rows, keys)
-        if not r.complete and rows.needs_every_key(_selected_lse(r)):
-            p = rows.dense(r._replace(keys=rows.ALL))[..., keys]  # such rows are read whole
-        else:
-            p = rows.dense(r)  # (B', H', n, m)
+        with torch.no_grad(), no_autocast(device.type):
+            if not r.complete and rows.needs_every_key(_selected_lse(r)):
+                p = rows.dense(r._replace(keys=rows.ALL))[..., keys]  # such rows: read whole
+            else:
+                p = rows.dense(r)  # (B', H', n, m)
+        if needs is not None:
+            value = p
+            p = grads.read(grads.Spec(inputs, lse, r, grads.rows_rule(keys), needs, lambda: value))
         p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, m)
         has_heads = len(inputs.lead) >= 2
         drop = [*self.lead_items, self.q_item] if has_heads else [*self.lead_items, 0, self.q_item]
@@ -621,6 +833,121 @@ def _as_range(flat: torch.Tensor) -> range:
 
 def _as_slice(index: int | slice) -> slice:
     return slice(index, index + 1) if isinstance(index, int) else index
+
+
+def _per_head(x: object, mine: Inputs, name: str, dim: int) -> torch.Tensor:
+    """A tensor of the user's (..., X, Y) broadcast to the weights' leading dims and laid
+    out (B, Hq, X, Y) (a view where it can be; differentiable)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise SdpaTypeError(f"{name} must be a floating tensor of 2+ dims, got {got}")
+    lead = mine.lead
+    n = mine.key.shape[2] if dim == -2 else mine.query.shape[2]
+    if x.shape[dim] != n:
+        what = "S (the keys)" if dim == -2 else "L (the queries)"
+        raise SdpaValueError(
+            f"{name}'s dim {dim} must be {what} = {n}, got {name} of shape {tuple(x.shape)}"
+        )
+    try:
+        full = torch.broadcast_to(x, (*lead, *x.shape[-2:]))
+    except RuntimeError as e:
+        raise SdpaValueError(
+            f"{name} of shape {tuple(x.shape)} does not broadcast to the weights' leading "
+            f"dims {tuple(lead)}"
+        ) from e
+    B, Hq = mine.query.shape[:2]
+    return full.reshape(B, Hq, *x.shape[-2:]).to(x.device)
+
+
+def _aligned(
+    other: AttentionWeights, head_map: object, mine: Inputs
+) -> tuple[Inputs, torch.Tensor]:
+    """other's inputs and LSE laid out with these weights' query heads: head h of ours
+    meets head head_map[h] of theirs (h itself without a map), each with its own key
+    head (no grouping left); gathered with autograd, so gradients reach other's own
+    tensors summed over the heads that share them."""
+    o = other._inputs
+    B, Hq, L, _ = mine.query.shape
+    S = mine.key.shape[2]
+    if o.query.shape[0] != B or o.query.shape[2] != L or o.key.shape[2] != S:
+        raise SdpaValueError(
+            f"kl needs weights over the same batch, queries and keys: these are "
+            f"{tuple(mine.shape)}, the other {tuple(o.shape)}"
+        )
+    Ho = o.query.shape[1]
+    if head_map is None:
+        if Ho != Hq:
+            raise SdpaValueError(
+                f"these weights have {Hq} heads and the other {Ho}: pass head_map, a list of "
+                f"{Hq} of the other's heads (e.g. [h * {Ho} // {Hq} for h in range({Hq})])"
+            )
+        index = torch.arange(Hq)
+    else:
+        index = _index_list(head_map, Ho, "head_map")
+        if index is None or len(index) != Hq:
+            raise SdpaValueError(
+                f"head_map must list one of the other's {Ho} heads for each of these {Hq} "
+                f"heads, got {head_map!r}"
+            )
+    index = index.to(o.query.device)
+    mask = o.mask
+    if isinstance(mask, torch.Tensor) and mask.shape[1] > 1:
+        mask = mask.index_select(1, index)
+    sinks = None if o.sinks is None else o.sinks.index_select(1, index)
+    inputs = o._replace(
+        query=o.query.index_select(1, index),  # (B, Hq, L, E')
+        key=o.key.index_select(1, index // o.group),  # (B, Hq, S, E')
+        value=o.value.index_select(1, index // o.group),
+        mask=mask,
+        sinks=sinks,
+        lead=mine.lead,
+    )
+    return inputs, other._log_sum_exp().index_select(1, index)
+
+
+def _dense_target(target: torch.Tensor, mine: Inputs) -> torch.Tensor:
+    """A dense target of probabilities broadcasting to the weights' (*lead, L, S), as
+    (B|1, Hq|1, L, S)."""
+    shape = mine.shape
+    if not target.is_floating_point() or target.ndim > len(shape):
+        raise SdpaTypeError(
+            f"a dense KL target is a floating tensor broadcasting to {tuple(shape)}, got "
+            f"{target.dtype} {tuple(target.shape)}"
+        )
+    try:
+        full = torch.broadcast_to(target, shape)
+    except RuntimeError as e:
+        raise SdpaValueError(
+            f"the KL target {tuple(target.shape)} does not broadcast to the weights' "
+            f"shape {tuple(shape)}"
+        ) from e
+    B, Hq, L, S = mine.query.shape[0], mine.query.shape[1], shape[-2], shape[-1]
+    return full.reshape(B, Hq, L, S).to(mine.compute_dtype)
+
+
+def _target_tile(target: torch.Tensor, t: rows.Tile) -> torch.Tensor:
+    """A dense target's slice for one tile, (1, h, rows, S)."""
+    hs = slice(t.heads.start, t.heads.stop, t.heads.step)
+    return tile.cut(target[t.b : t.b + 1, hs], 2, t.q_rows)
+
+
+def _target_grad(mine: rows.Rows, target: torch.Tensor, original: torch.Tensor, reverse: bool):
+    """dKL / d(target) as a function of the upstream gradient (B, Hq, L): forward KL(T ||
+    P): g (ln T + 1 - ln P); reverse KL(P || T): -g P / T. Dense, as the target is."""
+
+    def grad_of(g: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+        for t in rows.tiles(mine, settings.get().chunk_bytes):
+            logp = rows.log_weights(mine, t)
+            q = _target_tile(target, t)
+            gt = g[t.at_b : t.at_b + 1, t.at_h, t.at_r][..., None]
+            part = -gt * logp.exp() / q if reverse else gt * (torch.log(q) + 1.0 - logp)
+            hs = slice(t.heads.start, t.heads.stop, t.heads.step)
+            tile.cut(out[t.b : t.b + 1, hs], 2, t.q_rows).copy_(part)
+        full = out.reshape(mine.inputs.shape)  # (*lead, L, S)
+        return full.sum_to_size(original.shape).to(original.dtype)
+
+    return grad_of
 
 
 def _pair_indices(
