@@ -89,6 +89,7 @@ def test_nested_captures_each_see_every_call_inside(lms):
             run(a, x)
         run(a, x)
     run(a, x)  # after both blocks: recorded by neither
+    assert not [m for m in a.modules() if vars(m).get(sdpa_hf._OPEN)]  # nothing left open
     assert len(outer.weights) == 3 * LAYERS  # the old global switch gave 2 * LAYERS
     assert len(inner.weights) == LAYERS
     assert all(w is v for w, v in zip(inner.weights, outer.weights[LAYERS:], strict=False))
@@ -383,3 +384,6 @@ def test_a_compiled_model_is_captured_block_after_block_without_new_graphs(lms, 
     counters.clear()
     torch.testing.assert_close(run(fast, x), want)
     assert counters["stats"]["unique_graphs"] == 0
+    with torch.no_grad():  # the blocks have closed: the model traces with no break again
+        explained = torch._dynamo.explain(a)(input_ids=x, use_cache=False)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1

@@ -661,7 +661,7 @@ def _open(found: Capture, model: torch.nn.Module) -> None:
 
 def _close(found: Capture) -> None:
     """Take `found` off the modules it was put on; a module left with none loses the
-    attribute (a compiled model finds its first graphs again)."""
+    attribute, and torch.compile traces its calls whole again."""
     with found._lock:  # a call recording now finishes first; later ones are not recorded
         found._open = False
     with _stamping:
