@@ -245,6 +245,31 @@ def test_register_refuses_a_name_registered_to_another_function(monkeypatch):
     assert AttentionInterface._global_mapping["their_attention"] is theirs
 
 
+def test_a_wrapper_of_ours_counts_as_ours(monkeypatch):
+    """A call recorder around sdpa's function (functools.wraps): capture takes the model,
+    and register may put sdpa's function back under the name (the zoo's recorder does)."""
+    import functools
+
+    from transformers import AttentionInterface, LlamaConfig, LlamaModel
+    from transformers.masking_utils import AttentionMaskInterface
+
+    calls = []
+
+    @functools.wraps(sdpa_hf.attention_forward)
+    def recorded(*args, **kwargs):
+        calls.append(1)
+        return sdpa_hf.attention_forward(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "lse_attention_recorded", recorded)
+    masks = AttentionMaskInterface._global_mapping
+    monkeypatch.setitem(masks, "lse_attention_recorded", sdpa_hf.mask_function)
+    model = tiny(LlamaConfig, LlamaModel, "lse_attention_recorded")
+    with sdpa_hf.capture(model) as cap, torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert len(calls) == len(cap.weights) == 2
+    assert sdpa_hf.register("lse_attention_recorded") == "lse_attention_recorded"
+
+
 def test_register_takes_a_new_name_and_ours_again():
     from transformers import AttentionInterface
 

@@ -29,7 +29,10 @@ the only one their code is written for (their modules' `is_causal` is not kept f
 omitted mask, and some extend the mask with float blocks).
 
 The name has no "sdpa" in it: transformers gates every name containing "sdpa" on
-`_supports_sdpa`, which would refuse models this function runs. transformers 5 refuses
+`_supports_sdpa`, which would refuse models this function runs. `register` refuses the
+names of transformers' own implementations ("eager", "flash_attention_*",
+"flex_attention", "paged|..." forms, Hub kernels "org/repo") and names registered to
+other functions: registering one would replace it for every model. transformers 5 refuses
 the config route to attentions (`config.output_attentions = True`) for every
 implementation but "eager"; use the call argument or `capture`. Rows that see no key
 at all (a fully padded query under causal masking) get weights 0 here; eager gives
@@ -38,9 +41,21 @@ them uniform weights over every key.
 Caches: DynamicCache, StaticCache (`cache_implementation="static"`) and sliding-window
 caches work as on eager (greedy tokens identical, tests/test_generation.py); where L < S
 the mask function aligns causality bottom-right, and `causal` is used only for L == S.
+
+Captures belong to their model. `capture(model)` records the calls of the attention
+modules inside `model` (a sub-model: only its layers), and of no other model, from
+every thread while the block is open: a thread pool or DataParallel's replicas started
+in the block are recorded. Captures nest, each recording every call of its model made
+inside it (outermost first). A second capture of the same modules opened side by side
+in another thread or task is refused, since each would record the other's calls. The
+open captures live on the modules themselves (an entry of each module's __dict__, only
+while a block is open): with none open a call reads one dict entry.
+
 Under torch.compile the attention function traces with no graph break and the lazy
-weights never leave the graph (nothing outside can read them); inside an open `capture`
-block each attention call runs outside the graph instead, so that the capture sees it.
+weights never leave the graph (nothing outside can read them). Inside a `capture` of
+the compiled model each of its attention calls runs outside the graph instead, so that
+the capture sees it; the guard is on each module's attribute, so an open capture on one
+model neither breaks nor recompiles the graphs of another.
 """
 
 from __future__ import annotations
@@ -48,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import inspect
 import sys
 import threading
 import weakref
@@ -467,8 +483,9 @@ def register(name: str | None = None, *, lazy_weights: bool = False) -> str:
     also registers the old name "sdpa_lse" as an alias; or a new name of your own.
     Refused: transformers' own implementations ("eager", names containing "sdpa",
     "flash_attention_*", "flex_attention"), the "paged|..." forms, Hub kernel names
-    ("org/repo"), and any name registered to another function: registering one would
-    replace it for every model in the process.
+    ("org/repo"), and any name registered to another function (a wrapper of sdpa's,
+    functools.wraps, counts as sdpa's): registering one would replace it for every
+    model in the process.
     lazy_weights: every attention module returns the lazy AttentionWeights as its
     second output, instead of dense weights only when asked for.
     """
@@ -522,7 +539,7 @@ def _taken_because(name: str) -> str | None:
     mapped = ((AttentionInterface, _OURS), (AttentionMaskInterface, (mask_function,)))
     for interface, mine in mapped:
         taken = getattr(interface, "_global_mapping", {}).get(name)
-        if taken is not None and taken not in mine:
+        if taken is not None and _unwrapped(taken) not in mine:
             where = f"{getattr(taken, '__module__', '?')}.{getattr(taken, '__qualname__', taken)}"
             return (
                 f"transformers' {interface.__name__} has it for {where}, which it would "
@@ -531,13 +548,23 @@ def _taken_because(name: str) -> str | None:
     return None
 
 
+def _unwrapped(fn: object) -> object:
+    """fn, or the function it wraps (functools.wraps' __wrapped__, to the innermost)."""
+    try:
+        return inspect.unwrap(fn) if callable(fn) else fn
+    except ValueError:  # a __wrapped__ cycle
+        return fn
+
+
 def _registered_as_ours(name: object) -> bool:
+    """Whether transformers runs one of sdpa's attention functions (or a wrapper of one,
+    such as a call recorder) for `name`."""
     if not isinstance(name, str):
         return False
     from transformers import AttentionInterface
 
     mapping = getattr(AttentionInterface, "_global_mapping", None)
-    return isinstance(mapping, dict) and mapping.get(name) in _OURS
+    return isinstance(mapping, dict) and _unwrapped(mapping.get(name)) in _OURS
 
 
 def _uses_ours(model: torch.nn.Module) -> bool:
