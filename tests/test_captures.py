@@ -320,7 +320,7 @@ class Pipeline:
     [
         (lambda a: "x", r"model must be a torch\.nn\.Module.*got str 'x'$"),
         (lambda a: None, r"got NoneType None$"),
-        (lambda a: [a], r"got list \["),
+        (lambda a: [a], r"got list \[LlamaForCausalLM\(\.\.\.$"),  # a short repr, not the model's
         (lambda a: Pipeline(a), r"got Pipeline .*pass its \.model\)$"),
     ],
 )

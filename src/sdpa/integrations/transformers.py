@@ -259,6 +259,13 @@ def _describe(value: object) -> str:
     return repr(value)
 
 
+def _one_line(value: object, width: int = 60) -> str:
+    """repr(value) in one short line, for error messages."""
+    text = repr(value)
+    line = text.splitlines()[0] if text else text
+    return line[:width] + "..." if len(line) > width or line != text else line
+
+
 def _attentions_wanted(kwargs: dict) -> bool:
     """Whether this call's weights are asked for: the `output_attentions` keyword, or
     transformers' output collector recording attentions (it hooks the attention
@@ -629,7 +636,7 @@ def capture(
         raise SdpaTypeError(
             f"model must be a torch.nn.Module: a transformers model loaded with "
             f"attn_implementation=sdpa.integrations.transformers.register(), or a module "
-            f"holding one; got {type(model).__name__} {_describe(model)}{hint}"
+            f"holding one; got {type(model).__name__} {_one_line(model)}{hint}"
         )
     if not _uses_ours(model):
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
