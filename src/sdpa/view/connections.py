@@ -145,8 +145,7 @@ class SelectorServer:
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + sweep_every
-                room = len(self._conns) < self.max_connections
-                if not self._listening and now >= self._resume_at and room:
+                if not self._listening and now >= self._resume_at:  # _accept pauses again
                     self._selector.register(self.listener, selectors.EVENT_READ)
                     self._listening = True
         finally:
@@ -260,6 +259,7 @@ class SelectorServer:
             else:
                 conn.since = now
                 self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+                self._room()  # an idle connection can make room
 
     def _sweep(self, now: float) -> None:
         """Close the connections idle past idle_timeout, or whose head is overdue."""
@@ -275,8 +275,12 @@ class SelectorServer:
             self._selector.unregister(conn.sock)
         conn.sock.close()
         self._conns.pop(conn.fd, None)
+        self._room()
+
+    def _room(self) -> None:
+        """A connection closed or went idle: a listener paused for want of room resumes."""
         if not self._listening and self._resume_at == float("inf"):
-            self._resume_at = 0.0  # room again: the loop registers the listener
+            self._resume_at = 0.0
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
