@@ -107,7 +107,10 @@ class SelectorServer:
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._selector.register(self.listener, selectors.EVENT_READ)
+        self._waiting = selectors.DefaultSelector()  # the listener alone: is someone waiting?
+        self._waiting.register(self.listener, selectors.EVENT_READ)
         self._listening, self._resume_at = True, 0.0
+        self._warned_at = -float("inf")
         self._conns: dict[int, _Connection] = {}  # every open one: the loop thread's alone
         self._returned: collections.deque = collections.deque()  # (conn, keep) from workers
         self._shutdown = False
@@ -139,7 +142,7 @@ class SelectorServer:
                         self._accept(now)
                     elif key.fileobj is self._wake_r:
                         self._take_back(now)
-                    else:
+                    elif self._conns.get(key.data.fd) is key.data:  # not closed meanwhile
                         self._read(key.data, now)
                 now = time.monotonic()
                 if now >= next_sweep:
@@ -171,6 +174,7 @@ class SelectorServer:
             conn.sock.close()
         self._conns.clear()
         self._selector.close()
+        self._waiting.close()
         self._wake_r.close()
         self._wake_w.close()
 
@@ -180,7 +184,7 @@ class SelectorServer:
         for _ in range(64):  # a burst at a time; the selector calls again for the rest
             full = len(self._conns) >= self.max_connections
             if full and not any(not c.buf for c in self._idle()):
-                self._pause(float("inf"))  # nothing to close: wait until one closes
+                self._pause(float("inf"))  # nothing to close: until one closes or idles
                 return
             try:
                 sock, address = self.listener.accept()
@@ -189,7 +193,11 @@ class SelectorServer:
             except OSError as e:
                 if e.errno not in OUT_OF_FILES:  # e.g. ECONNABORTED: that client is gone
                     continue
-                log.warning("sdpa view: cannot accept a connection: %s", e.strerror or e)
+                if not self._waiting.select(0):  # EMFILE comes first, even with no one there
+                    return
+                if now - self._warned_at > 10:  # one line per 10 s, not one per client
+                    self._warned_at = now
+                    log.warning("sdpa view: cannot accept connections: %s", e.strerror or e)
                 if not self._evict():
                     self._pause(now + 0.1)
                 return
