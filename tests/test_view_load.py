@@ -403,6 +403,43 @@ def test_out_of_files_closes_an_idle_connection_and_warns_once(caplog):
         server.stop()
 
 
+def test_a_connection_closed_for_room_as_its_request_arrives(monkeypatch):
+    """max_connections 1: while the loop is busy, B connects and then idle A sends a
+    request; the loop sees both at once, closes A for B, and must not read A after."""
+    server = ViewServer(FakeSession(), max_connections=1)
+    entered, release = threading.Event(), threading.Event()
+    sweep = server._sweep
+
+    def busy_sweep(now):  # hold the loop while both events arrive
+        if not release.is_set():
+            entered.set()
+            assert release.wait(10)
+        sweep(now)
+
+    a = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    server.start()
+    try:
+        wait_for(lambda: server.connections == 1, "A to be accepted")
+        monkeypatch.setattr(server, "_sweep", busy_sweep)
+        assert entered.wait(5)
+        b = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # ready first
+        a.sendall(request_bytes(server, "/info"))
+        b.sendall(request_bytes(server, "/info"))
+        time.sleep(0.05)
+        release.set()
+        buf = b""
+        while (got := parse(buf)) is None:
+            chunk = b.recv(1 << 16)
+            assert chunk, "B was closed"
+            buf += chunk
+        assert got[0] == 200 and closed_by_server(a)
+        a.close()
+        b.close()
+    finally:
+        release.set()
+        server.stop()
+
+
 def test_a_head_past_its_limit_is_refused_with_431(server):
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     start = b"GET /info HTTP/1.1\r\nX-Long: "  # and no end: exactly MAX_HEAD bytes, all read
