@@ -274,11 +274,12 @@ def _folder(model_dir: str | None, trust_remote_code: bool) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def _loading(path: str, what: str):
-    """A loader's error as one ViewError naming --model and the folder. The loaders read
-    files the user gave, and fail in their own ways: no weights (OSError), an unknown model
-    type (ValueError, KeyError), a pickle or a corrupt model.safetensors (safetensors'
-    SafetensorError, pickle's UnpicklingError, torch's RuntimeError), a broken
-    tokenizer.json (tokenizers' Exception); every one is the folder's fault, not ours."""
+    """A loader's error as one ViewError (one line) naming --model and the folder. The
+    loaders read files the user gave, and fail in their own ways: no weights (OSError), an
+    unknown model type (ValueError, KeyError), a pickle, corrupt or truncated
+    model.safetensors (safetensors' SafetensorError), a pickle that torch's weights-only
+    loader refuses (UnpicklingError, over ten lines), a broken tokenizer.json (json's
+    error); each is the folder's fault, so any Exception the loader raises is caught."""
     try:
         yield
     except ViewError:
