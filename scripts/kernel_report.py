@@ -94,8 +94,9 @@ def loops(sass: str) -> list[collections.Counter]:
         m = re.search(r"BRA `?\(?(\.L_x_\d+)\)?", line)
         if m and m.group(1) in labels and labels[m.group(1)] < n:
             body = lines[labels[m.group(1)] : n + 1]
-            ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
-                             "\n".join(body), re.M)  # fmt: skip
+            ops = re.findall(
+                r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", "\n".join(body), re.M
+            )
             found.append(collections.Counter(ops))
     return found
 
@@ -164,29 +165,55 @@ def kernels_to_compile(sweep: bool) -> list[tuple[str, object, Callable, list]]:
         with configs.use(cfg):
             return fn()
 
-    alternatives = [configs.Config(*c) for c in ((128, 64, 4, 3), (128, 128, 8, 3),
-                    (64, 128, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4))]  # fmt: skip
+    alternatives = [
+        configs.Config(*c)
+        for c in (
+            (128, 64, 4, 3),
+            (128, 128, 8, 3),
+            (64, 128, 4, 3),
+            (128, 64, 8, 3),
+            (128, 32, 4, 4),
+        )
+    ]
     pinned = lambda name: configs.SM90[name][0]  # noqa: E731
     todo = [
-        ("entropy_and_max", entropy._entropy_and_max,
-         lambda c, causal: under(c, lambda: entropy.entropy_and_max(
-             q, k, lse, causal=causal, scale=0.1)), "entropy"),
-        ("received", received._received,
-         lambda c, causal: under(c, lambda: received.received(
-             q, k, lse, causal=causal, scale=0.1)), "received"),
-        ("max_logits", logits._max_logits,
-         lambda c, causal: under(c, lambda: logits.max_logits(
-             q, k, causal=causal, scale=0.1)), "max_logits"),
-    ]  # fmt: skip
+        (
+            "entropy_and_max",
+            entropy._entropy_and_max,
+            lambda c, causal: under(
+                c, lambda: entropy.entropy_and_max(q, k, lse, causal=causal, scale=0.1)
+            ),
+            "entropy",
+        ),
+        (
+            "received",
+            received._received,
+            lambda c, causal: under(
+                c, lambda: received.received(q, k, lse, causal=causal, scale=0.1)
+            ),
+            "received",
+        ),
+        (
+            "max_logits",
+            logits._max_logits,
+            lambda c, causal: under(c, lambda: logits.max_logits(q, k, causal=causal, scale=0.1)),
+            "max_logits",
+        ),
+    ]
     out = []
     for name, fn, call, key in todo:
         cfgs = [pinned(key)] + ([c for c in alternatives if c != pinned(key)] if sweep else [])
         out.append((name, fn, call, cfgs))
     # the kernel these replace, at its own config, for comparison
     old = stats._config(q, E)
-    out.append(("forward_stats (stats only, before)", stats._forward_stats,
-                lambda c, causal: stats.forward_stats(q, k, None, causal=causal, scale=0.1),
-                [configs.Config(*old)]))  # fmt: skip
+    out.append(
+        (
+            "forward_stats (stats only, before)",
+            stats._forward_stats,
+            lambda c, causal: stats.forward_stats(q, k, None, causal=causal, scale=0.1),
+            [configs.Config(*old)],
+        )
+    )
     return out
 
 
@@ -204,12 +231,22 @@ def main(argv: list[str] | None = None) -> int:
                     kernel = compiled(fn, functools.partial(call, cfg, causal))
                     rows.append(report(name, kernel, cfg, SHAPE[3], causal))
                 except Exception as e:  # a config that does not compile: say so, go on
-                    rows.append({"kernel": name, "causal": causal, "config": cfg._asdict(),
-                                 "error": f"{type(e).__name__}: {str(e)[:200]}"})  # fmt: skip
-    print(f"sm90 builds (triton {triton.__version__}), head {SHAPE[3]}, bf16; floor at "
-          f"{SHAPE} on {SMS} SMs at {CLOCK_HZ / 1e9} GHz")  # fmt: skip
-    print(f"{'kernel':<36} {'mask':<6} {'BMxBN/w/st':<14} {'smem KiB':>8} {'regs':>5} "
-          f"{'spill':>5} {'prog/SM':>7} {'alu/score':>9} {'exp2':>5} {'floor ms':>8}")  # fmt: skip
+                    rows.append(
+                        {
+                            "kernel": name,
+                            "causal": causal,
+                            "config": cfg._asdict(),
+                            "error": f"{type(e).__name__}: {str(e)[:200]}",
+                        }
+                    )
+    print(
+        f"sm90 builds (triton {triton.__version__}), head {SHAPE[3]}, bf16; floor at "
+        f"{SHAPE} on {SMS} SMs at {CLOCK_HZ / 1e9} GHz"
+    )
+    print(
+        f"{'kernel':<36} {'mask':<6} {'BMxBN/w/st':<14} {'smem KiB':>8} {'regs':>5} "
+        f"{'spill':>5} {'prog/SM':>7} {'alu/score':>9} {'exp2':>5} {'floor ms':>8}"
+    )
     for r in rows:
         c = r["config"]
         tile = f"{c['block_m']}x{c['block_n']}/{c['warps']}/{c['stages']}"
@@ -223,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['alu_per_score']:>9} {r['loop_exp2']:>5} {r['floor_ms_big_shape']:>8}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"triton": triton.__version__, "rows": rows},
-                                              indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps({"triton": triton.__version__, "rows": rows}, indent=1)
+        )
     return 0
 
 
