@@ -22,6 +22,7 @@ TRITON_INTERPRET=1), to check the script runs; its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -175,6 +176,22 @@ def forward_rows(shapes, reps: int, use_flex: bool, device: torch.device) -> lis
     return rows
 
 
+def _other_loop(kernel: str, q: torch.Tensor):
+    """The config `kernel` launches with here, with the other form of its unmasked loop."""
+    from sdpa.kernels import configs
+    from sdpa.kernels.launch import block, interpreting
+
+    cfg = configs.pick(kernel.split("_")[0], q.dtype, block(q.shape[-1]), interpreting())
+    return cfg._replace(pipelined=not cfg.pipelined)
+
+
+def _under(cfg, fn, *args, **kwargs):
+    from sdpa.kernels import configs
+
+    with configs.use(cfg):
+        return fn(*args, **kwargs)
+
+
 def _chunked(fn):
     from sdpa import weights
 
@@ -222,6 +239,11 @@ def stats_rows(shape, reps: int, device: torch.device) -> tuple[list[dict], list
             "received": lambda: received(q, k, lse, **kw),  # noqa: B023
             "max_logits": lambda: max_logits(q, k, **kw),  # noqa: B023
         }
+        for name, fn in (("entropy_and_max", entropy_and_max), ("received", received)):
+            # the pinned config's other loop form, for comparison (the pin stays)
+            alt = _other_loop(name, q)
+            label = f"{name} ({'pipelined' if alt.pipelined else 'not pipelined'})"
+            fns[label] = functools.partial(_under, alt, fn, q, k, lse, **kw)
         ms = interleaved(fns, reps, device)
         print(f"done: statistics {mask} {ms}", flush=True)
         for name, t in ms.items():

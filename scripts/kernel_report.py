@@ -169,8 +169,11 @@ def kernels_to_compile(sweep: bool) -> list[tuple[str, object, Callable, list]]:
         configs.Config(*c)
         for c in (
             (128, 64, 4, 3),
+            (128, 64, 4, 3, True),
             (128, 128, 8, 3),
+            (128, 128, 8, 3, True),
             (64, 128, 4, 3),
+            (64, 128, 4, 3, True),
             (128, 64, 8, 3),
             (128, 32, 4, 4),
         )
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         c = r["config"]
         tile = f"{c['block_m']}x{c['block_n']}/{c['warps']}/{c['stages']}"
+        tile += "/p" if c.get("pipelined") else ""
         mask = "causal" if r["causal"] else "dense"
         if "error" in r:
             print(f"{r['kernel']:<36} {mask:<6} {tile:<14} {r['error']}")

@@ -330,3 +330,26 @@ def test_one_pass_statistics_never_sync_the_host(gen, triton_kernels):
         max_logits(qd, kd, md, scale=0.1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["none", "causal"])
+def test_the_other_loop_form_matches_on_cuda(gen, triton_kernels, kind):
+    """The pinned configs pipeline the unmasked loop; the plain loop (what the bench
+    times beside it) gives the same statistics."""
+    from sdpa.kernels import configs
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.received import received
+
+    q, k, v, _, causal = _one_pass_inputs(gen, torch.bfloat16, 128, kind, 333, 333)
+    lse = sdpa.attention(*_dev(q, k, v), causal=causal, scale=0.1).weights.lse
+    qd, kd = _dev(q, k)
+    got = {}
+    for pipelined in (True, False):
+        with configs.use(configs.SM90["entropy"][0]._replace(pipelined=pipelined)):
+            ent, top = entropy_and_max(qd, kd, lse, causal=causal, scale=0.1)
+        with configs.use(configs.SM90["received"][0]._replace(pipelined=pipelined)):
+            sums = received(qd, kd, lse, causal=causal, scale=0.1)
+        got[pipelined] = (ent, top, sums)
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -350,11 +350,34 @@ def test_max_logits_match_the_oracle(gen, case):
     torch.testing.assert_close(heads.double(), ref.amax(-1), atol=1e-5, rtol=1e-6)
 
 
+PIPELINED_CASES = [ONE_PASS[i] for i in (0, 1, 2, 6, 7, 9)]  # dense, causal, L > S, S = 1
+
+
+@pytest.mark.parametrize("case", PIPELINED_CASES, ids=[ONE_PASS_IDS[i] for i in (0, 1, 2, 6, 7, 9)])
+def test_the_pipelined_loops_give_the_same_statistics(gen, case):
+    """Config.pipelined: the unmasked loop issues the next tile's product before this
+    tile's exponentials (a prologue, a shifted loop, an epilogue; none where no block is
+    unmasked); entropy, max and received as the oracle's."""
+    from sdpa.kernels import configs
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.received import received
+
+    q, k, v, mask, causal, scale = _one_pass_case(gen, case)
+    _, lse, ref_ent, ref_top, ref_sum = _oracle_stats(q, k, v, mask, causal, scale)
+    with configs.use(configs.Config(16, 16, 4, 1, pipelined=True)):
+        ent, top = entropy_and_max(q, k, lse.float(), mask, causal=causal, scale=scale)
+        sums = received(q, k, lse.float(), mask, causal=causal, scale=scale)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=0)
+    torch.testing.assert_close(top.double(), ref_top, atol=2e-6, rtol=0)
+    torch.testing.assert_close(sums.double(), ref_sum, atol=1e-5 * q.shape[2], rtol=1e-5)
+
+
 SM90_SIZES = [(False, "none", 200, 333), (True, "none", 300, 300), (False, "bool_heads", 130, 70)]
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
 @pytest.mark.parametrize("causal,kind,L,S", SM90_SIZES, ids=["dense", "causal", "bool"])
-def test_the_sm90_tiles_under_the_interpreter(gen, causal, kind, L, S):
+def test_the_sm90_tiles_under_the_interpreter(gen, causal, kind, L, S, pipelined):
     """The pinned GPU configs (128-row tiles) run the same loops: full blocks, the
     diagonal and the tails, at sizes that are not multiples of them."""
     from sdpa.kernels import configs
@@ -367,9 +390,10 @@ def test_the_sm90_tiles_under_the_interpreter(gen, causal, kind, L, S):
     _, lse, ref_ent, ref_top, ref_sum = _oracle_stats(q, k, v, mask, causal, 0.1)
     lse = lse.float()
     ref_max = _scores(q, k, mask, causal, 0.1).amax(-1)
-    with configs.use(configs.SM90["entropy"][0]):
+    entropy_cfg, received_cfg = configs.SM90["entropy"][0], configs.SM90["received"][0]
+    with configs.use(entropy_cfg._replace(pipelined=pipelined)):
         ent, top = entropy_and_max(q, k, lse, mask, causal=causal, scale=0.1)
-    with configs.use(configs.SM90["received"][0]):
+    with configs.use(received_cfg._replace(pipelined=pipelined)):
         got_sum = received(q, k, lse, mask, causal=causal, scale=0.1)
     with configs.use(configs.SM90["max_logits"][0]):
         rows, _ = max_logits(q, k, mask, causal=causal, scale=0.1)

@@ -38,18 +38,24 @@ BIG = tl.constexpr(1e30)
 
 
 @triton.jit
-def _keys(
-    a_i, l_i, x_i, q, Kbh, Mbh, start_n, offs_m, offs_d, lse, lse2,
-    sks, skd, sml, sms, L, S, scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr,
-    E: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """One key block folded into the row sums (a, l, x); MASKED for blocks that cross
-    S, the causal diagonal or a mask."""
+def _scores(q, Kbh, start_n, offs_d, sks, skd, S, E: tl.constexpr, MASKED: tl.constexpr,
+            EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """q . k of one key block: (BLOCK_M, BLOCK_N); keys past S read 0 when MASKED."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_rows(Kbh, offs_n, sks, offs_d, skd, S, E, MASKED, EVEN_D)  # (BLOCK_N, BLOCK_D)
-    s = dot_nt(q, k, IEEE)  # (BLOCK_M, BLOCK_N)
+    return dot_nt(q, k, IEEE)
+
+
+@triton.jit
+def _fold(
+    a_i, l_i, x_i, s, start_n, offs_m, lse, lse2, Mbh, sml, sms, L, S, scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One key block's scores s folded into the row sums (a, l, x); MASKED for blocks
+    that cross S, the causal diagonal or a mask."""
     if MASKED:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         u = shifted_scores(s, scale, lse[:, None], offs_m[:, None], offs_n[None, :], L, S, Mbh,
                            sml, sms, LOG2E, CAUSAL, MASK_KIND)  # fmt: skip
         u = tl.maximum(u, -BIG, propagate_nan=tl.PropagateNan.ALL)  # -inf -> -BIG, NaN stays
@@ -68,6 +74,7 @@ def _entropy_and_max(
     H, GROUP, L, S, scale,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr, E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PIPELINED: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: the last programs would otherwise run alone
@@ -99,15 +106,33 @@ def _entropy_and_max(
         full = (S // BLOCK_N) * BLOCK_N
         if CAUSAL:
             full = tl.minimum(full, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    for start_n in range(0, full, BLOCK_N):
-        a_i, l_i, x_i = _keys(
-            a_i, l_i, x_i, q, Kbh, Mbh, start_n, offs_m, offs_d, lse, lse2, sks, skd,
-            sml, sms, L, S, scale, False, CAUSAL, MASK_KIND, IEEE, E, EVEN_D, BLOCK_N,
-        )  # fmt: skip
+    if PIPELINED:  # the next block's Q K^T runs on the tensor cores during this one's exp2
+        if full > 0:
+            s = _scores(q, Kbh, 0, offs_d, sks, skd, S, E, False, EVEN_D, IEEE, BLOCK_N)
+            for start_n in range(BLOCK_N, full, BLOCK_N):
+                s_next = _scores(q, Kbh, start_n, offs_d, sks, skd, S, E, False, EVEN_D, IEEE,
+                                 BLOCK_N)  # fmt: skip
+                a_i, l_i, x_i = _fold(
+                    a_i, l_i, x_i, s, start_n - BLOCK_N, offs_m, lse, lse2, Mbh, sml, sms, L, S,
+                    scale, False, CAUSAL, MASK_KIND, BLOCK_N,
+                )  # fmt: skip
+                s = s_next
+            a_i, l_i, x_i = _fold(
+                a_i, l_i, x_i, s, full - BLOCK_N, offs_m, lse, lse2, Mbh, sml, sms, L, S, scale,
+                False, CAUSAL, MASK_KIND, BLOCK_N,
+            )  # fmt: skip
+    else:
+        for start_n in range(0, full, BLOCK_N):
+            s = _scores(q, Kbh, start_n, offs_d, sks, skd, S, E, False, EVEN_D, IEEE, BLOCK_N)
+            a_i, l_i, x_i = _fold(
+                a_i, l_i, x_i, s, start_n, offs_m, lse, lse2, Mbh, sml, sms, L, S, scale,
+                False, CAUSAL, MASK_KIND, BLOCK_N,
+            )  # fmt: skip
     for start_n in range(full, hi, BLOCK_N):
-        a_i, l_i, x_i = _keys(
-            a_i, l_i, x_i, q, Kbh, Mbh, start_n, offs_m, offs_d, lse, lse2, sks, skd,
-            sml, sms, L, S, scale, True, CAUSAL, MASK_KIND, IEEE, E, EVEN_D, BLOCK_N,
+        s = _scores(q, Kbh, start_n, offs_d, sks, skd, S, E, True, EVEN_D, IEEE, BLOCK_N)
+        a_i, l_i, x_i = _fold(
+            a_i, l_i, x_i, s, start_n, offs_m, lse, lse2, Mbh, sml, sms, L, S, scale,
+            True, CAUSAL, MASK_KIND, BLOCK_N,
         )  # fmt: skip
     bad = (l_i != l_i) | (l_i == float("inf"))  # a NaN or +inf score: the row is NaN
     # a row that saw no key has l = a = 0 and x = -BIG: entropy 0 and max 0 with l := 1
@@ -162,7 +187,7 @@ def entropy_and_max(
         *q.stride(), *k.stride(), *m_strides,
         Hq, Hq // Hkv, L, S, float(scale),
         CAUSAL=bool(causal), MASK_KIND=kind, IEEE=ieee(q.dtype), E=E,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PIPELINED=cfg.pipelined,
         **launch_options(q.device, cfg.warps, cfg.stages),
     )  # fmt: skip
     return ent, top

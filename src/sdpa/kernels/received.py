@@ -31,18 +31,26 @@ from sdpa.kernels.launch import (
 
 
 @triton.jit
-def _queries(
-    acc, k, Qbh, Lbh, Mbh, start_m, offs_n, offs_d, sql, sqd, sml, sms, L, S, scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr,
-    E: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """One query block added to the keys' sums; MASKED for blocks that cross the
-    causal diagonal or carry a mask."""
+def _scores(k, Qbh, Lbh, start_m, offs_d, sql, sqd, L, E: tl.constexpr, EVEN_D: tl.constexpr,
+            IEEE: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """k . q of one query block, (BLOCK_N keys, BLOCK_M queries), and the queries' LSE
+    (+inf past L: weight 0 there without a mask)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_rows(Qbh, offs_m, sql, offs_d, sqd, L, E, True, EVEN_D)  # (BLOCK_M, BLOCK_D)
-    lse = tl.load(Lbh + offs_m, mask=offs_m < L, other=float("inf"))  # past L: weight 0
-    s = dot_nt(k, q, IEEE)  # (BLOCK_N keys, BLOCK_M queries)
+    lse = tl.load(Lbh + offs_m, mask=offs_m < L, other=float("inf"))
+    return dot_nt(k, q, IEEE), lse
+
+
+@triton.jit
+def _fold(
+    acc, s, lse, start_m, offs_n, Mbh, sml, sms, L, S, scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """One query block's weights added to the keys' sums; MASKED for blocks that cross
+    the causal diagonal or carry a mask."""
     if MASKED:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
         u = shifted_scores(s, scale, lse[None, :], offs_m[None, :], offs_n[:, None], L, S, Mbh,
                            sml, sms, LOG2E, CAUSAL, MASK_KIND)  # fmt: skip
     else:
@@ -59,6 +67,7 @@ def _received(
     H, GROUP, L, S, scale,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr, E: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    PIPELINED: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)  # causal: key block 0, the longest, runs first
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -84,15 +93,27 @@ def _received(
     if MASK_KIND != 0:
         full = L
     for start_m in range(lo, full, BLOCK_M):
-        acc = _queries(
-            acc, k, Qbh, Lbh, Mbh, start_m, offs_n, offs_d, sql, sqd, sml, sms, L, S, scale,
-            True, CAUSAL, MASK_KIND, IEEE, E, EVEN_D, BLOCK_M,
-        )  # fmt: skip
-    for start_m in range(tl.maximum(full, lo), L, BLOCK_M):
-        acc = _queries(
-            acc, k, Qbh, Lbh, Mbh, start_m, offs_n, offs_d, sql, sqd, sml, sms, L, S, scale,
-            False, CAUSAL, MASK_KIND, IEEE, E, EVEN_D, BLOCK_M,
-        )  # fmt: skip
+        s, lse = _scores(k, Qbh, Lbh, start_m, offs_d, sql, sqd, L, E, EVEN_D, IEEE, BLOCK_M)
+        acc = _fold(acc, s, lse, start_m, offs_n, Mbh, sml, sms, L, S, scale, True, CAUSAL,
+                    MASK_KIND, BLOCK_M)  # fmt: skip
+    first = tl.maximum(full, lo)
+    if PIPELINED:  # the next block's K Q^T runs on the tensor cores during this one's exp2
+        if first < L:
+            s, lse = _scores(k, Qbh, Lbh, first, offs_d, sql, sqd, L, E, EVEN_D, IEEE, BLOCK_M)
+            for start_m in range(first + BLOCK_M, L, BLOCK_M):
+                s_next, lse_next = _scores(k, Qbh, Lbh, start_m, offs_d, sql, sqd, L, E, EVEN_D,
+                                           IEEE, BLOCK_M)  # fmt: skip
+                acc = _fold(acc, s, lse, start_m - BLOCK_M, offs_n, Mbh, sml, sms, L, S, scale,
+                            False, CAUSAL, MASK_KIND, BLOCK_M)  # fmt: skip
+                s, lse = s_next, lse_next
+            last = first + (tl.cdiv(L - first, BLOCK_M) - 1) * BLOCK_M
+            acc = _fold(acc, s, lse, last, offs_n, Mbh, sml, sms, L, S, scale, False, CAUSAL,
+                        MASK_KIND, BLOCK_M)  # fmt: skip
+    else:
+        for start_m in range(first, L, BLOCK_M):
+            s, lse = _scores(k, Qbh, Lbh, start_m, offs_d, sql, sqd, L, E, EVEN_D, IEEE, BLOCK_M)
+            acc = _fold(acc, s, lse, start_m, offs_n, Mbh, sml, sms, L, S, scale, False, CAUSAL,
+                        MASK_KIND, BLOCK_M)  # fmt: skip
     tl.store(Out + pid_bh * S + offs_n, acc, mask=offs_n < S)
 
 
@@ -138,7 +159,7 @@ def received(
         *q.stride(), *k.stride(), *m_strides,
         Hq, Hq // Hkv, L, S, float(scale),
         CAUSAL=bool(causal), MASK_KIND=kind, IEEE=ieee(q.dtype), E=E,
-        BLOCK_N=cfg.block_m, BLOCK_M=cfg.block_n, BLOCK_D=block_d,
+        BLOCK_N=cfg.block_m, BLOCK_M=cfg.block_n, BLOCK_D=block_d, PIPELINED=cfg.pipelined,
         **launch_options(q.device, cfg.warps, cfg.stages),
     )  # fmt: skip
     # a row with a NaN or +inf weight is NaN for every key it sees (the listing's
