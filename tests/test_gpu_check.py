@@ -77,3 +77,44 @@ def test_unknown_arguments_are_refused():
     ran = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--fast"],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)  # fmt: skip
     assert ran.returncode == 2 and "usage: bash scripts/gpu_check.sh" in ran.stderr
+
+
+def _report(run: Path, capsys) -> tuple[int, str, dict]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_report
+    finally:
+        sys.path.pop(0)
+    rc = gpu_report.main([str(run), "--out", str(run / "merged.json")])
+    return rc, capsys.readouterr().out, json.loads((run / "merged.json").read_text())
+
+
+def test_the_report_fails_a_failed_check_a_timeout_and_a_failed_test(tmp_path, capsys):
+    """What the steps wrote decides the verdict: one failed integration check, one step
+    past its time limit or one failed CUDA test fails the run; a skipped check does not."""
+    (tmp_path / "steps.tsv").write_text("profile\t0\t3\nintegrations\t0\t9\n")
+    checks = [{"check": "unet", "what": "diffusers UNet step", "ok": None, "detail": "skipped"},
+              {"check": "bert", "what": "bert last_hidden_state", "ok": True,
+               "ours_err": 0.01, "eager_err": 0.01}]  # fmt: skip
+    (tmp_path / "integrations.json").write_text(json.dumps({"checks": checks}))
+    rc, out, merged = _report(tmp_path, capsys)
+    assert rc == 0 and merged["all_passed"] is True and "skip" in out
+    checks[1]["ok"] = False
+    (tmp_path / "integrations.json").write_text(json.dumps({"checks": checks}))
+    rc, out, merged = _report(tmp_path, capsys)
+    assert rc == 1 and merged["all_passed"] is False and "FAIL" in out
+    checks[1]["ok"] = True
+    (tmp_path / "integrations.json").write_text(json.dumps({"checks": checks}))
+    (tmp_path / "steps.tsv").write_text("profile\t0\t3\nbench\t124\t95\n")
+    rc, out, _ = _report(tmp_path, capsys)
+    assert rc == 1 and "TIMEOUT" in out
+    (tmp_path / "steps.tsv").write_text("tests\t1\t50\n")
+    (tmp_path / "pytest.xml").write_text(
+        '<testsuites><testsuite tests="2" failures="1" errors="0" skipped="0">'
+        '<testcase classname="tests.test_cuda" name="test_a"/>'
+        '<testcase classname="tests.test_cuda" name="test_b"><failure/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    rc, out, merged = _report(tmp_path, capsys)
+    assert rc == 1 and merged["cuda_tests"]["failed"] == ["tests.test_cuda::test_b"]
+    assert "1 passed, 0 skipped, 1 failed" in out
