@@ -550,3 +550,48 @@ def test_one_pass_kernels_refuse_what_they_cannot_honour(gen):
         received(q[0], k, lse, scale=1.0)
     with pytest.raises(TypeError, match=r"q and k must share dtype"):
         max_logits(q, k.to(torch.bfloat16), scale=1.0)
+
+
+def test_more_heads_than_one_grid_takes_run_in_several_launches(gen, monkeypatch):
+    """B x H programs past CUDA's 65,535 on a grid's second axis: one launch per slice,
+    each from its first (batch, head). With the limit at 3, 2 x 4 heads take 3 launches."""
+    from sdpa.kernels import launch
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k, v, mask = _inputs(gen, torch.float32, 2, 4, 2, 21, 19, 16, 8, "bool_heads")
+    _, lse, ref_ent, ref_top, ref_sum = _oracle_stats(q, k, v, mask, False, 0.3)
+    ref_max = _scores(q, k, mask, False, 0.3).amax(-1)
+    monkeypatch.setattr(launch, "MAX_GRID_Y", 3)
+    assert launch.head_blocks(8) == [(0, 3), (3, 3), (6, 2)]
+    ent, top = entropy_and_max(q, k, lse.float(), mask, scale=0.3)
+    sums = received(q, k, lse.float(), mask, scale=0.3)
+    rows, _ = max_logits(q, k, mask, scale=0.3)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=0)
+    torch.testing.assert_close(top.double(), ref_top, atol=2e-6, rtol=0)
+    torch.testing.assert_close(sums.double(), ref_sum, atol=1e-5 * 21, rtol=1e-5)
+    torch.testing.assert_close(rows.double(), ref_max, atol=1e-5, rtol=1e-6)
+
+
+def test_one_pass_kernels_refuse_inputs_that_require_grad(gen, monkeypatch):
+    """They have no backward: a result that would be silently detached is refused, and
+    under no_grad they run."""
+    from sdpa.kernels import launch
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k = randn(gen, 1, 2, 5, 16).requires_grad_(), randn(gen, 1, 2, 7, 16)
+    lse = torch.zeros(1, 2, 5)
+    for call in (lambda: entropy_and_max(q, k, lse, scale=0.5),
+                 lambda: received(q, k, lse, scale=0.5),
+                 lambda: max_logits(q, k, scale=0.5)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"has no backward, and an input requires grad"):
+            call()
+        with torch.no_grad():
+            call()
+    # CPU tensors outside the interpreter: refused, naming what would work
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match=r"CPU tensors run only under Triton's interpreter"):
+        max_logits(q.detach(), k, scale=0.5)

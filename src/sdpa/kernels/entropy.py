@@ -25,6 +25,7 @@ from sdpa.kernels.launch import (
     block,
     checked,
     dot_nt,
+    head_blocks,
     ieee,
     interpreting,
     launch_options,
@@ -71,7 +72,7 @@ def _entropy_and_max(
     sqb, sqh, sql, sqd,
     skb, skh, sks, skd,
     smb, smh, sml, sms,
-    H, GROUP, L, S, scale,
+    H, GROUP, BH0, L, S, scale,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr, E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PIPELINED: tl.constexpr,
@@ -79,7 +80,7 @@ def _entropy_and_max(
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: the last programs would otherwise run alone
         pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64) + BH0  # this launch's first (batch, head)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP  # grouped-query attention: the key head of query head h
@@ -181,13 +182,13 @@ def entropy_and_max(
     m_ptr, m_strides, kind = mask_args(mask, q)
     block_d = block(E)
     cfg = configs.pick("entropy", q.dtype, block_d, interpreting())
-    grid = (triton.cdiv(L, cfg.block_m), B * Hq)
-    _entropy_and_max[grid](
-        q, k, lse, m_ptr, ent, top,
-        *q.stride(), *k.stride(), *m_strides,
-        Hq, Hq // Hkv, L, S, float(scale),
-        CAUSAL=bool(causal), MASK_KIND=kind, IEEE=ieee(q.dtype), E=E,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PIPELINED=cfg.pipelined,
-        **launch_options(q.device, cfg.warps, cfg.stages),
-    )  # fmt: skip
+    for bh0, count in head_blocks(B * Hq):
+        _entropy_and_max[(triton.cdiv(L, cfg.block_m), count)](
+            q, k, lse, m_ptr, ent, top,
+            *q.stride(), *k.stride(), *m_strides,
+            Hq, Hq // Hkv, bh0, L, S, float(scale),
+            CAUSAL=bool(causal), MASK_KIND=kind, IEEE=ieee(q.dtype), E=E,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PIPELINED=cfg.pipelined,
+            **launch_options(q.device, cfg.warps, cfg.stages),
+        )  # fmt: skip
     return ent, top

@@ -45,6 +45,15 @@ def launch_options(device: torch.device, warps: int, stages: int) -> dict[str, i
     return {} if interpreting() else {"num_warps": warps, "num_stages": stages}
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the kernels' batch x heads)
+
+
+def head_blocks(BH: int) -> list[tuple[int, int]]:
+    """(first, count) slices of the B x H programs' axis, each within MAX_GRID_Y: one
+    launch per slice (the kernels add `first` to their program id)."""
+    return [(b0, min(MAX_GRID_Y, BH - b0)) for b0 in range(0, BH, MAX_GRID_Y)]
+
+
 def mask_args(mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, tuple, int]:
     """(pointer tensor, its 4 strides, kind) for a mask (B, H, L, S): kind 0 none,
     1 bool keep-mask (read as bytes, nonzero = takes part), 2 float added to the scores.
@@ -84,6 +93,19 @@ def checked(
     why = kernels.unsupported(q, k)
     if why is not None and "empty" not in why:
         raise SdpaValueError(f"{what} cannot run these inputs: {why}")
+    if q.device.type == "cpu" and not interpreting():
+        raise SdpaValueError(
+            f"{what}: CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1 "
+            f"set before triton is first imported); pass CUDA tensors to run it compiled"
+        )
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, lse, mask)
+    ):
+        raise SdpaValueError(
+            f"{what} has no backward, and an input requires grad: its result would be "
+            f"silently detached; call it under torch.no_grad(), or read the statistic from "
+            f"sdpa.attention(...).weights, whose reads carry the gradient"
+        )
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise SdpaTypeError(
             f"{what}: scale must be a Python float (the kernels take it as a launch "
@@ -168,8 +190,8 @@ def shifted_scores(s, scale, shift, i, j, L, S, Mbh, sml, sms, f: tl.constexpr,
         ok = ok & (j <= i)
     if MASK_KIND == 0:
         u = s * (scale * f) - shift * f
-    else:
-        mv = tl.load(Mbh + i * sml + j * sms, mask=ok, other=0)
+    else:  # int64 rows: L * S of one mask can pass 2^31
+        mv = tl.load(Mbh + i.to(tl.int64) * sml + j * sms, mask=ok, other=0)
         if MASK_KIND == 1:
             ok = ok & (mv != 0)
             u = s * (scale * f) - shift * f

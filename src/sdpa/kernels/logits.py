@@ -17,6 +17,7 @@ from sdpa.kernels.launch import (
     block,
     checked,
     dot_nt,
+    head_blocks,
     ieee,
     interpreting,
     launch_options,
@@ -51,14 +52,14 @@ def _max_logits(
     sqb, sqh, sql, sqd,
     skb, skh, sks, skd,
     smb, smh, sml, sms,
-    H, GROUP, L, S, scale,
+    H, GROUP, BH0, L, S, scale,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr, E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64) + BH0  # this launch's first (batch, head)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP  # grouped-query attention: the key head of query head h
@@ -128,14 +129,14 @@ def max_logits(
         m_ptr, m_strides, kind = mask_args(mask, q)
         block_d = block(E)
         cfg = configs.pick("max_logits", q.dtype, block_d, interpreting())
-        grid = (triton.cdiv(L, cfg.block_m), B * Hq)
-        _max_logits[grid](
-            q, k, m_ptr, rows,
-            *q.stride(), *k.stride(), *m_strides,
-            Hq, Hq // Hkv, L, S, float(scale),
-            CAUSAL=bool(causal), MASK_KIND=kind, IEEE=ieee(q.dtype), E=E,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            **launch_options(q.device, cfg.warps, cfg.stages),
-        )  # fmt: skip
+        for bh0, count in head_blocks(B * Hq):
+            _max_logits[(triton.cdiv(L, cfg.block_m), count)](
+                q, k, m_ptr, rows,
+                *q.stride(), *k.stride(), *m_strides,
+                Hq, Hq // Hkv, bh0, L, S, float(scale),
+                CAUSAL=bool(causal), MASK_KIND=kind, IEEE=ieee(q.dtype), E=E,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                **launch_options(q.device, cfg.warps, cfg.stages),
+            )  # fmt: skip
     heads = rows.amax(dim=-1) if L else rows.new_full((B, Hq), -float("inf"))  # NaN stays
     return rows, heads

@@ -21,6 +21,7 @@ from sdpa.kernels.launch import (
     block,
     checked,
     dot_nt,
+    head_blocks,
     ieee,
     interpreting,
     launch_options,
@@ -64,13 +65,13 @@ def _received(
     sqb, sqh, sql, sqd,
     skb, skh, sks, skd,
     smb, smh, sml, sms,
-    H, GROUP, L, S, scale,
+    H, GROUP, BH0, L, S, scale,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr, E: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     PIPELINED: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)  # causal: key block 0, the longest, runs first
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64) + BH0  # this launch's first (batch, head)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP  # grouped-query attention: the key head of query head h
@@ -153,15 +154,15 @@ def received(
     m_ptr, m_strides, kind = mask_args(mask, q)
     block_d = block(E)
     cfg = configs.pick("received", q.dtype, block_d, interpreting())
-    grid = (triton.cdiv(S, cfg.block_m), B * Hq)  # the tile's rows are keys
-    _received[grid](
-        q, k, lse, m_ptr, out,
-        *q.stride(), *k.stride(), *m_strides,
-        Hq, Hq // Hkv, L, S, float(scale),
-        CAUSAL=bool(causal), MASK_KIND=kind, IEEE=ieee(q.dtype), E=E,
-        BLOCK_N=cfg.block_m, BLOCK_M=cfg.block_n, BLOCK_D=block_d, PIPELINED=cfg.pipelined,
-        **launch_options(q.device, cfg.warps, cfg.stages),
-    )  # fmt: skip
+    for bh0, count in head_blocks(B * Hq):  # the tile's rows are keys
+        _received[(triton.cdiv(S, cfg.block_m), count)](
+            q, k, lse, m_ptr, out,
+            *q.stride(), *k.stride(), *m_strides,
+            Hq, Hq // Hkv, bh0, L, S, float(scale),
+            CAUSAL=bool(causal), MASK_KIND=kind, IEEE=ieee(q.dtype), E=E,
+            BLOCK_N=cfg.block_m, BLOCK_M=cfg.block_n, BLOCK_D=block_d, PIPELINED=cfg.pipelined,
+            **launch_options(q.device, cfg.warps, cfg.stages),
+        )  # fmt: skip
     # a row with a NaN or +inf weight is NaN for every key it sees (the listing's
     # softmax row): one non-finite sum marks the whole (batch, head), on the device
     bad = ~torch.isfinite(out).all(dim=-1, keepdim=True)  # (B, Hq, 1)
