@@ -76,11 +76,11 @@ step() {  # step NAME CAP_SECONDS TAIL_LINES command...: run it, keep its log, n
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$RUN/steps.tsv"
 }
 
-step profile 30 30 "$PY" scripts/gpu_profile.py "${PROFILE[@]}" --json "$RUN/profile.json"
-step tests 110 25 "$PY" -m pytest -q -m cuda -p no:cacheprovider --tb=short -rfE \
+step profile 25 30 "$PY" scripts/gpu_profile.py "${PROFILE[@]}" --json "$RUN/profile.json"
+step tests 100 25 "$PY" -m pytest -q -m cuda -p no:cacheprovider --tb=short -rfE \
   --junitxml="$RUN/pytest.xml" "${CUDA_TESTS[@]}"
-step bench 95 4 "$PY" scripts/gpu_bench.py --reps 15 "${DRY[@]}" --json "$RUN/bench.json"
-step integrations 55 4 "$PY" scripts/gpu_integrations.py "${DRY[@]}" --json "$RUN/integrations.json"
+step bench 110 4 "$PY" scripts/gpu_bench.py --reps 15 "${DRY[@]}" --json "$RUN/bench.json"
+step integrations 50 4 "$PY" scripts/gpu_integrations.py "${DRY[@]}" --json "$RUN/integrations.json"
 
 echo
 title="gpu_check$([ "$mode" = dry ] && echo ' DRY RUN (CPU, tiny sizes: the numbers mean nothing)')"

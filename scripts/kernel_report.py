@@ -27,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (before triton imports)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -63,19 +64,28 @@ class _Sm90:
 
 def compiled(jit_fn, call: Callable[[], object]):
     """Run `call` (a public wrapper on CPU tensors) with `jit_fn` compiled, not launched;
-    returns the compiled kernel."""
+    returns the compiled kernel. The wrappers' checks pass CPU tensors here as they do
+    under the interpreter (nothing runs on them)."""
+    import sdpa.kernels.launch as launch
+
     got = []
-    real = jit_fn.run
+    real_run, real_checked = jit_fn.run, launch.checked
 
     def run(*args, grid, warmup, **kwargs):
-        got.append(real(*args, grid=grid, warmup=True, **kwargs))
+        got.append(real_run(*args, grid=grid, warmup=True, **kwargs))
         return got[-1]
 
+    def checked(*args, **kwargs):
+        with mock.patch.object(launch, "interpreting", lambda: True):
+            return real_checked(*args, **kwargs)
+
     jit_fn.run = run
+    module = sys.modules[jit_fn.fn.__module__]
     try:
-        call()
+        with mock.patch.object(module, "checked", checked, create=True):
+            call()
     finally:
-        jit_fn.run = real
+        jit_fn.run = real_run
     return got[0]
 
 
