@@ -137,10 +137,10 @@ def torch_op(q, k, v, causal: bool) -> tuple[str, Callable[[], object] | None]:
     return picked, None
 
 
-def forward_rows(shapes, reps: int, use_flex: bool, device: torch.device) -> list[dict]:
+def forward_rows(shapes, reps: int, use_flex: bool, device: torch.device, rows: list[dict]) -> None:
+    """Append one row per shape and mask to `rows` (kept if interrupted)."""
     import sdpa
 
-    rows = []
     for label, shape, target in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v = (
@@ -173,7 +173,6 @@ def forward_rows(shapes, reps: int, use_flex: bool, device: torch.device) -> lis
                 }
             )
             print(f"done: {rows[-1]}", flush=True)  # a timeout still leaves what was measured
-    return rows
 
 
 def _other_loop(kernel: str, q: torch.Tensor):
@@ -203,8 +202,10 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def stats_rows(shape, reps: int, device: torch.device) -> tuple[list[dict], list[dict]]:
-    """(timings, checks) of the statistics kernels at `shape`, dense and causal."""
+def stats_rows(shape, reps: int, device: torch.device, rows: list[dict], checks: list[dict]
+               ) -> None:  # fmt: skip
+    """Append the timings and checks of the statistics kernels at `shape`, dense and
+    causal, to `rows` and `checks` (kept if interrupted)."""
     from sdpa import kernels
 
     why = kernels.unsupported(torch.empty(1, 1, 1, 16, device=device), torch.empty(1, 1, 1, 16))
@@ -213,7 +214,8 @@ def stats_rows(shape, reps: int, device: torch.device) -> tuple[list[dict], list
 
         why = None if interpreting() else "on CPU the kernels need TRITON_INTERPRET=1"
     if why is not None:
-        return [{"what": f"Triton statistics not timed: {why}"}], []
+        rows.append({"what": f"Triton statistics not timed: {why}"})
+        return
     import sdpa
     from sdpa.kernels.entropy import entropy_and_max
     from sdpa.kernels.logits import max_logits
@@ -225,7 +227,6 @@ def stats_rows(shape, reps: int, device: torch.device) -> tuple[list[dict], list
         torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3)
     )
     scale = shape[-1] ** -0.5
-    rows, checks = [], []
     for causal in (False, True):
         mask = "causal" if causal else "dense"
         w = sdpa.attention(q, k, v, causal=causal).weights
@@ -265,7 +266,7 @@ def stats_rows(shape, reps: int, device: torch.device) -> tuple[list[dict], list
             s = s.masked_fill(
                 ~torch.ones(s.shape[-2:], dtype=torch.bool, device=device).tril(), -torch.inf
             )
-        checks += [
+        new = [
             {
                 "what": "entropy_and_max: entropy",
                 "mask": mask,
@@ -295,10 +296,8 @@ def stats_rows(shape, reps: int, device: torch.device) -> tuple[list[dict], list
                 "tol": 1e-3,
             },
         ]
+        checks.extend({**c, "ok": c["max_abs_err"] <= c["tol"]} for c in new)
         del s
-    for c in checks:
-        c["ok"] = c["max_abs_err"] <= c["tol"]
-    return rows, checks
 
 
 def environment(device: torch.device) -> dict:
@@ -385,13 +384,18 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
 
-    out["forward"] = forward_rows(shapes, reps, args.flex, device)
-    save()
-    out["statistics"], out["checks"] = stats_rows(stats_shape, reps, device)
+    out["forward"], out["statistics"], out["checks"] = [], [], []
+    try:
+        forward_rows(shapes, reps, args.flex, device, out["forward"])
+        save()
+        stats_rows(stats_shape, reps, device, out["statistics"], out["checks"])
+    except KeyboardInterrupt:  # gpu_check's time limit: keep and print what was measured
+        out["interrupted"] = True
+        print("interrupted: the rows measured so far follow", flush=True)
     save()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print(table(out["forward"], out["statistics"], out["checks"], stats_shape))
-    return 0 if all(c["ok"] for c in out["checks"]) else 1
+    return 0 if all(c["ok"] for c in out["checks"]) and not out.get("interrupted") else 1
 
 
 if __name__ == "__main__":
