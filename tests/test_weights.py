@@ -45,11 +45,17 @@ def test_rows_sum_to_one_or_zero(gen):
     assert torch.equal(sums[dead], torch.zeros_like(sums[dead]))
 
 
-def test_weights_are_detached(gen):
+def test_weights_carry_their_gradient_only_where_asked(gen):
+    """As the listing's p_attn: inside the graph when q requires grad, plain tensors
+    under no_grad or when nothing requires grad (tests/test_grads.py checks the values)."""
     q, k, v, _ = make_inputs(gen)
+    out, w = sdpa.attention(q, k, v)
+    assert not out.requires_grad and not w.full().requires_grad
     q.requires_grad_(True)
     out, w = sdpa.attention(q, k, v)
-    assert out.requires_grad and not w.full().requires_grad
+    assert out.requires_grad and w.full().requires_grad and w.entropy().requires_grad
+    with torch.no_grad():
+        assert not w.full().requires_grad and not w.sum().requires_grad
 
 
 @pytest.mark.parametrize("which", ["query", "key", "mask"])
