@@ -189,7 +189,8 @@ def test_kernels_refuse_heads_that_do_not_divide(gen):
 def kernel_calls(monkeypatch):
     """AttentionWeights uses the kernels on CPU; returns the names of the kernels run."""
     import sdpa.kernels.received as received_mod
-    import sdpa.kernels.stats as stats_mod
+    import sdpa.kernels.entropy as entropy_mod
+    import sdpa.kernels.logits as logits_mod
 
     calls = []
 
@@ -202,7 +203,8 @@ def kernel_calls(monkeypatch):
 
         monkeypatch.setattr(module, name, wrapped)
 
-    spy(stats_mod, "forward_stats")
+    spy(entropy_mod, "entropy_and_max")
+    spy(logits_mod, "max_logits")
     spy(received_mod, "received")
     with sdpa.settings.override(kernel_devices={"cpu"}):
         yield calls
@@ -230,10 +232,13 @@ def test_weights_statistics_on_the_kernels_match_the_chunked_engine(gen, kernel_
     if isinstance(mask, str):
         mask = _mask(gen, "bool_heads", 2, 4, L, 20)
     w = sdpa.attention(q, k, v, mask, causal=causal).weights
-    got = {"entropy": w.entropy(), "amax": w.amax(), "sum": w.sum(dim=-2)}
-    assert kernel_calls == ["forward_stats", "forward_stats", "received"]
+    with torch.no_grad():
+        got = {"entropy": w.entropy(), "amax": w.amax(), "sum": w.sum(dim=-2),
+               "max_logits": w.max_logits().row}  # fmt: skip
+    assert kernel_calls == ["entropy_and_max", "entropy_and_max", "received", "max_logits"]
     for what, fn in [("entropy", lambda w: w.entropy()), ("amax", lambda w: w.amax()),
-                     ("sum", lambda w: w.sum(dim=-2))]:  # fmt: skip
+                     ("sum", lambda w: w.sum(dim=-2)),
+                     ("max_logits", lambda w: w.max_logits().row)]:  # fmt: skip
         ref = _chunked(w, fn)
         assert got[what].shape == ref.shape and got[what].dtype == ref.dtype == torch.float32
         torch.testing.assert_close(got[what], ref, atol=5e-5, rtol=1e-5)

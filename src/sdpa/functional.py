@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa.backends import BACKENDS, Backend, select, select_fast
+from sdpa.backends import BACKENDS, PRIORITY, Backend, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
@@ -151,6 +151,51 @@ def attention(
     return AttentionResult(
         out, AttentionWeights(inputs, lse, fused_runner, p, impl, frozen=frozen_call)
     )
+
+
+class Explanation(NamedTuple):
+    """What sdpa.explain says of some inputs (str() prints it as a short table)."""
+
+    backend: str  # the backend backend="auto" picks
+    path: str  # how that backend runs these inputs (AttentionWeights.served_by)
+    fast_lane: bool  # recognised in O(1) from types and shapes (no full validation)
+    reasons: dict[str, list[str]]  # each backend -> why it would not take them ([]: would)
+
+    def __str__(self) -> str:
+        lines = [
+            f"auto picks {self.backend}: {self.path}",
+            f"fast lane: {'yes' if self.fast_lane else 'no (validated in full)'}",
+        ]
+        width = max(len(name) for name in self.reasons)
+        for name, why in self.reasons.items():
+            verdict = "would run them" if not why else "; ".join(why)
+            mark = "*" if name == self.backend else " "
+            lines.append(f"{mark} {name:<{width}}  {verdict}")
+        return "\n".join(lines)
+
+
+def explain(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Explanation:
+    """Why each backend would or would not take these inputs, and which one
+    sdpa.attention(query, key, value, mask, ...) would run, without running it (as
+    xFormers' info and torch's refusal warnings tell). Invalid inputs raise the error
+    the call would raise.
+
+        print(sdpa.explain(q, k, v, sdpa.masks.softcap(30.0)))
+    """
+    fast = fast_normalize(query, key, value, mask, causal, scale, dropout_p) is not None
+    inputs = normalize(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+    reasons = {b.name: b.not_supported_reasons(inputs) for b in PRIORITY}
+    impl = select(inputs)
+    return Explanation(impl.name, impl.path(inputs), fast, reasons)
 
 
 def scaled_dot_product_attention(

@@ -492,8 +492,7 @@ class AttentionWeights:
         if self._shape_only:
             row = torch.full((*i.lead, i.query.shape[2]), -torch.inf, device=self.device)
         else:
-            with no_autocast(self.device.type):
-                row = self._lead(rows.max_logits(self._every_row()))
+            row = self._lead(self._provide("max_logits"))
         head = row.amax(dim=-1) if row.shape[-1] else row.new_full(row.shape[:-1], -torch.inf)
         return MaxLogits(row, head)
 
@@ -596,12 +595,43 @@ def _triton_serves(w: AttentionWeights) -> bool:
 
 
 def _triton_stats(w: AttentionWeights, which: str) -> torch.Tensor:
-    """Entropy or row max (B, Hq, L) from the one-pass Triton kernel."""
-    from sdpa.kernels.stats import forward_stats  # imports triton
+    """Entropy or row max (B, Hq, L) from the one-pass Triton kernel (Q K^T only, the
+    LSE as the shift, rows normalised by their own sum)."""
+    from sdpa.kernels.entropy import entropy_and_max  # imports triton
 
     q, k, mask, causal = _kernel_args(w)
-    _, _, entropy, top = forward_stats(q, k, None, mask, causal=causal, scale=w._inputs.scale)
+    entropy, top = entropy_and_max(
+        q, k, w._log_sum_exp(), mask, causal=causal, scale=w._inputs.scale
+    )
     return entropy if which == "entropy" else top
+
+
+def _triton_logits_serves(w: AttentionWeights) -> bool:
+    """The max-logits kernel scores raw q . k (before any softcap; sinks are no key's
+    score), so only the device, triton and the mask's size decide."""
+    i = w._inputs
+    tuning = settings.get()
+    if w.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
+        return False
+    mask = i.mask
+    L, S = i.query.shape[2], i.key.shape[2]
+    return not (
+        isinstance(mask, masks.Mask)
+        and not i.causal_only
+        and (mask.batch or 1) * L * S > tuning.kernel_mask_bytes
+    )
+
+
+def _triton_logits(w: AttentionWeights) -> torch.Tensor:
+    """Each row's largest raw score (B, Hq, L) from the one-pass Triton kernel."""
+    from sdpa.kernels.logits import max_logits  # imports triton
+
+    i = w._inputs
+    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
+    L, S = i.query.shape[2], i.key.shape[2]
+    if isinstance(mask, masks.Mask):
+        mask = masks.as_4d(mask.materialize(L, S, w.device, max_bytes=None))  # (B|1,1,L,S)
+    return max_logits(i.query, i.key, mask, causal=causal, scale=i.scale)[0]
 
 
 def _triton_received_serves(w: AttentionWeights) -> bool:
@@ -742,6 +772,10 @@ PROVIDERS: dict[str, tuple[Provider, ...]] = {
     "topk": (
         Provider("held", _has_held, lambda w, k: w._held().topk(k, dim=-1)),
         Provider("rows", _always, lambda w, k: rows.topk(w._every_row(), k)),
+    ),
+    "max_logits": (
+        Provider("triton", _triton_logits_serves, _triton_logits),
+        Provider("rows", _always, lambda w: rows.max_logits(w._every_row())),
     ),
 }
 """Each read's providers, in order: the first whose rule (`serves`) holds answers."""

@@ -81,6 +81,24 @@ def probabilities_and_output(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor
     return (out if dtype is p.dtype else out.to(dtype)), p
 
 
+def _over_limits(inputs: Inputs) -> str:
+    """The settings limit these inputs are over, in words."""
+    s = settings.get()
+    B, Hq, L, _ = inputs.query.shape
+    S = inputs.key.shape[2]
+    if B * Hq * L * S > s.small_weights:
+        over = f"B*Hq*L*S = {B * Hq * L * S} scores, over small_weights = {s.small_weights}"
+    elif L * S > s.small_head:
+        over = f"L*S = {L * S} scores per head, over small_head = {s.small_head}"
+    else:
+        over = (
+            f"L*S = {L * S} scores per head under "
+            f"{'causal' if inputs.causal else 'structured'} masking, over small_causal = "
+            f"{s.small_causal}"
+        )
+    return f"{over} (sdpa.settings): the fused kernel is faster there"
+
+
 class Small(Backend):
     name = "small"
     summary = "the listing's math in one product, the weights kept"
@@ -94,7 +112,7 @@ class Small(Backend):
             reasons.append(f"dropout_p={inputs.dropout_p} > 0 (the reference backend applies it)")
         if inputs.softcap is not None or inputs.sinks is not None:
             reasons.append("a softcap or sinks (the chunked and fused backends apply them)")
-        B, Hq, L, _ = inputs.query.shape
+        L = inputs.query.shape[2]
         if torch.compiler.is_compiling():
             reasons.append("torch.compile is tracing (the fused kernel serves compiled graphs)")
         elif inputs.no_work:
@@ -102,13 +120,7 @@ class Small(Backend):
         elif L == 1:
             reasons.append("one query (the fused kernel is faster; the weights cost one product)")
         elif not fits(inputs):
-            s = settings.get()
-            reasons.append(
-                f"B*Hq*L*S = {B * Hq * L * inputs.key.shape[2]} scores (over small_weights = "
-                f"{s.small_weights}), or L*S = {L * inputs.key.shape[2]} per head (over "
-                f"small_head = {s.small_head}, or small_causal = {s.small_causal} with causal "
-                f"or structured masking; see sdpa.settings): the fused kernel is faster there"
-            )
+            reasons.append(_over_limits(inputs))
         return reasons
 
     def run(self, inputs: Inputs) -> tuple[torch.Tensor, None, torch.Tensor]:
