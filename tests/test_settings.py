@@ -197,7 +197,8 @@ def test_visible_is_the_causal_rule_of_every_alignment(L, S):
     i, j = torch.arange(L), torch.arange(S)
     for offset in (0, S - L, -2, 3):
         expected = torch.ones(L, S, dtype=torch.bool).tril(offset)
-        assert torch.equal(masks.visible(i, j, offset), expected)
+        assert torch.equal(masks.visible_grid(i, j, offset), expected)
+        assert torch.equal(masks.visible(i[:, None], j[None, :], offset), expected)
     assert torch.equal(masks.top_left(L, S), torch.ones(L, S, dtype=torch.bool).tril())
     drawn = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(masks.causal().materialize(2, 5), drawn)  # bottom-right, offset 3

@@ -24,21 +24,27 @@ EMPTY, PARTIAL, FULL = 0, 1, 2  # block occupancy
 ALIGNS = ("bottom-right", "top-left")
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Causal visibility, (len(q_pos), len(k_pos)) bool: key j is seen by query i when
-    j <= i + offset (offset = S - L for bottom-right, 0 for top-left). The one
-    definition: every backend, the weights engine and the masks call it.
+def visible(i: torch.Tensor, j: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Causal visibility, elementwise (i and j broadcast): key position j is seen by
+    query position i when j <= i + offset (offset = S - L for bottom-right, 0 for
+    top-left). The one definition: every backend, the weights engine and the masks call
+    it; `grid` lays it over rows x keys.
 
-    q_pos = [0, 1], k_pos = [0, 1, 2], offset 0      offset 1
+    grid(visible, [0, 1], [0, 1, 2]), offset 0      offset 1
         1 0 0                                        1 1 0
         1 1 0                                        1 1 1
     """
-    return k_pos[None, :] <= q_pos[:, None] + offset
+    return j <= i + offset
+
+
+def visible_grid(q_pos: torch.Tensor, k_pos: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """`visible` over every (query, key) of q_pos (r,) x k_pos (c,): (r, c) bool."""
+    return visible(q_pos[:, None], k_pos[None, :], offset)
 
 
 def top_left(L: int, S: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The top-left causal keep-mask (L, S) bool: query i sees keys j <= i."""
-    return visible(torch.arange(L, device=device), torch.arange(S, device=device))
+    return visible_grid(torch.arange(L, device=device), torch.arange(S, device=device))
 
 
 def as_4d(keep: torch.Tensor) -> torch.Tensor:
@@ -67,6 +73,19 @@ class Mask:
         k_ids are sorted and hold the same ids, else sound; & and | are sound."""
         keep = self.materialize(L, S, max_bytes=None).reshape(self.batch or 1, L, S)  # (Bm, L, S)
         return occupancy(keep, bq, bk)
+
+    def keep_pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor, L: int, S: int) -> torch.Tensor:
+        """(Bm, P) bool: whether query position q_pos[p] sees key position k_pos[p], for
+        P pairs (q_pos, k_pos (P,)). Derived from `keep` a few hundred pairs at a time
+        (the diagonal of each chunk's grid), so it never disagrees with it."""
+        chunk = 256
+        parts = [
+            self.keep(q_pos[c : c + chunk], k_pos[c : c + chunk], L, S).diagonal(dim1=-2, dim2=-1)
+            for c in range(0, len(q_pos), chunk)
+        ]  # (Bm, <= chunk) each
+        if not parts:
+            return torch.ones(self.batch or 1, 0, dtype=torch.bool, device=q_pos.device)
+        return torch.cat(parts, dim=-1)  # (Bm, P)
 
     def is_top_left_causal(self, L: int, S: int) -> bool:
         """Whether this is exactly the top-left causal mask for L x S (the fused kernel
@@ -161,9 +180,9 @@ class _Band(Mask):
 
     def keep(self, q_pos, k_pos, L, S):
         off = _offset(self.align, L, S)
-        keep = visible(q_pos, k_pos, off)  # (r, c)
+        keep = visible_grid(q_pos, k_pos, off)  # (r, c)
         if self.size is not None:  # and not further back than the window
-            keep &= visible(q_pos, k_pos, off - self.size).logical_not_()  # j <= p - size: too old
+            keep &= visible_grid(q_pos, k_pos, off - self.size).logical_not_()  # too old
         return keep[None]  # (1, r, c)
 
     def blocks(self, L, S, bq, bk):

@@ -244,7 +244,7 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _exclude(t: torch.Tensor, r: Rows) -> torch.Tensor:
     """-inf, in place, where causality or a bool mask excludes a key."""
     if r.causal:  # top-left
-        t.masked_fill_(masks.visible(r.q_pos, _key_positions(r)).logical_not_(), -torch.inf)
+        t.masked_fill_(masks.visible_grid(r.q_pos, _key_positions(r)).logical_not_(), -torch.inf)
     if r.mask is not None and r.mask.dtype == torch.bool:
         t.masked_fill_(~r.mask, -torch.inf)
     return t
@@ -262,3 +262,37 @@ def _grouped_scores(
         return torch.matmul(folded, k.transpose(-2, -1)).view(B, H, n, S)
     torch.matmul(folded, k.transpose(-2, -1), out=out.view(B, Hkv, H // Hkv * n, S))
     return out
+
+
+def pair_probabilities(r: Rows, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor:
+    """The weights at P (query, key) pairs, (B, H, P): qi, kj (1|B, P) positions among
+    the rows' queries and the attention's keys (r holds every query row and key)."""
+    B, H, _, E = r.q.shape
+    Hkv, P = r.k.shape[1], qi.shape[-1]
+    cd = r.dtype
+    q = r.q.to(cd).gather(2, qi[:, None, :, None].expand(B, H, P, E))  # (B, H, P, E)
+    k = r.k.to(cd).gather(2, kj[:, None, :, None].expand(B, Hkv, P, E))  # (B, Hkv, P, E)
+    s = (q.view(B, Hkv, H // Hkv, P, E) * k[:, :, None]).sum(-1).view(B, H, P) * r.scale
+    if r.softcap is not None:
+        s = torch.tanh(s / r.softcap) * r.softcap
+    mask = r.mask
+    if isinstance(mask, masks.Mask):
+        if qi.shape[0] == 1:  # pairs shared by every batch element
+            keep = mask.keep_pairs(qi[0], kj[0], r.L, r.key_count)  # (Bm, P)
+        else:
+            keep = torch.stack(
+                [
+                    mask.keep_pairs(qi[b], kj[b], r.L, r.key_count)[b if mask.batch else 0]
+                    for b in range(qi.shape[0])
+                ]
+            )  # (B, P)
+        s = s.masked_fill(~keep[:, None], -torch.inf)
+    elif mask is not None:
+        Bm = max(mask.shape[0], qi.shape[0])
+        b = torch.arange(Bm, device=qi.device)[:, None]
+        picked = mask.expand(Bm, *mask.shape[1:])[b, :, qi, kj].permute(0, 2, 1)  # (Bm, Hm, P)
+        s = s.masked_fill(~picked, -torch.inf) if picked.dtype == torch.bool else s + picked
+    if r.causal:
+        s = s.masked_fill(~masks.visible(qi, kj)[:, None], -torch.inf)  # top-left, elementwise
+    lse = r.lse.gather(2, qi[:, None].expand(B, H, P))  # (B, H, P)
+    return torch.exp(s - lse)

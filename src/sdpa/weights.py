@@ -269,6 +269,46 @@ class AttentionWeights:
             return p[..., k_idx]
         return p[..., 0] if isinstance(k_idx, int) else p
 
+    def pairs(self, q_index: object, k_index: object) -> torch.Tensor:
+        """The weights at chosen (query, key) pairs, computed from q, k and the LSE in
+        O(|lead| x P x E): w.pairs(i, j)[..., p] == w.full()[..., i[p], j[p]].
+
+        q_index, k_index: integer tensors (or lists) of one shape, (P,) for pairs shared
+        by every lead index, or (B, P) for pairs per batch element (inputs with exactly
+        one batch dim B, the weights' first dim). Returns (*lead, P). Head fingerprints
+        (previous-token, duplicate-token, induction scores) are sums of such pairs."""
+        self._check_fresh()
+        i = self._inputs
+        B, Hq, L, _ = i.query.shape
+        S = i.key.shape[2]
+        batched = len(i.lead) == 2 or (len(i.lead) == 1 and i.query.shape[1] == 1)
+        qi, kj = _pair_indices(q_index, k_index, L, S, B if batched else None, self.device)
+        P = qi.shape[-1]
+        if self._shape_only:
+            return self._zeros(P)
+        held = self._held()
+        if held is not None:  # (B, Hq, L, S): gather the pairs
+            flat = (qi * S + kj)[:, None].expand(B, Hq, P)  # (B, Hq, P)
+            return held.reshape(B, Hq, L * S).gather(-1, flat).reshape(*i.lead, P)
+        with torch.no_grad(), no_autocast(self.device.type):
+            p = rows.pair_probabilities(self._rows(), qi, kj)  # (B, Hq, P)
+        return p.reshape(*i.lead, P)
+
+    def diagonal(self, offset: int = 0) -> torch.Tensor:
+        """The weights w[..., i, i + offset], as torch.diagonal(w.full(), offset, dim1=-2,
+        dim2=-1): (*lead, n), n the number of such (query, key) pairs. offset=-1 is each
+        query's weight on the previous token. O(|lead| x n x E)."""
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise SdpaTypeError(
+                f"offset must be an int (key index minus query index), got {offset!r} "
+                f"({type(offset).__name__})"
+            )
+        L, S = self.shape[-2], self.shape[-1]
+        first = max(0, -offset)
+        last = min(L, S - offset)  # exclusive
+        q_index = torch.arange(first, max(first, last))
+        return self.pairs(q_index, q_index + offset)
+
     def sum(self, dim: int = -2) -> torch.Tensor:
         """Attention each key receives, summed over the queries: (*lead, S).
 
@@ -503,6 +543,36 @@ class AttentionWeights:
         return lse - i.scale * (q * pk).sum(dim=-1)
 
 
+def _pair_indices(
+    q_index: object, k_index: object, L: int, S: int, B: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) positions of the pairs as (1|B, P) int64 on `device`, checked: integers of
+    one shape, (P,) or (B, P) (B given only for inputs with one batch dim), in range."""
+    out = []
+    for name, index, size in (("q_index", q_index, L), ("k_index", k_index, S)):
+        t = _key_list(index, size, name, 2)
+        if t is None:
+            raise SdpaTypeError(
+                f"{name} must be an integer tensor or list of positions, (P,) or (B, P), "
+                f"got {type(index).__name__}"
+            )
+        out.append(t)
+    qi, kj = out
+    if qi.shape != kj.shape:
+        raise SdpaValueError(
+            f"q_index and k_index must have one shape (P,) or (B, P), got {tuple(qi.shape)} "
+            f"and {tuple(kj.shape)}"
+        )
+    if qi.ndim == 2 and qi.shape[0] != B:
+        raise SdpaValueError(
+            f"pairs per batch element are (B, P) with B the weights' first dim"
+            f"{f' ({B})' if B is not None else ' (these inputs have no single batch dim)'}, "
+            f"got q_index {tuple(qi.shape)}; pass (P,) for pairs shared by every batch element"
+        )
+    rows = qi.shape[0] if qi.ndim == 2 else 1
+    return qi.reshape(rows, qi.shape[-1]).to(device), kj.reshape(rows, kj.shape[-1]).to(device)
+
+
 def _key_heads(k: torch.Tensor, Hq: int, group: int, heads: slice) -> torch.Tensor:
     """The key heads that query heads `heads` use (query head h uses key head
     h // group, Inputs.group): a view when the slice covers whole groups, else one key
@@ -526,29 +596,37 @@ def _key_positions(index: int | slice | torch.Tensor, S: int, device: torch.devi
     return torch.arange(S, device=device)[_as_slice(index)]
 
 
-def _key_list(item: object, size: int) -> torch.Tensor | None:
-    """A list, range or 1-D integer tensor / array of key indices -> (m,) int64 on the
-    CPU, negatives wrapped; None for anything else."""
+def _key_list(
+    item: object, size: int, what: str = "the key dim", max_ndim: int = 1
+) -> torch.Tensor | None:
+    """A list, range or integer tensor / array (1-D, or up to max_ndim dims) of indices
+    into a dim of `size` -> int64 on the CPU, negatives wrapped; None for anything else."""
     if isinstance(item, list | range):
-        if not all(isinstance(j, int) and not isinstance(j, bool) for j in item):
+        flat = list(item)
+        while flat and all(isinstance(j, list) for j in flat):  # nested lists: (B, P)
+            flat = [x for row in flat for x in row]
+        if not all(isinstance(j, int) and not isinstance(j, bool) for j in flat):
             raise SdpaTypeError(
-                f"a list of key indices takes ints, got {[type(j).__name__ for j in item]}"
+                f"a list of {'key ' if what == 'the key dim' else ''}indices takes ints, got "
+                f"{sorted({type(j).__name__ for j in flat})}"
             )
         t = torch.tensor(list(item), dtype=torch.long)
     elif isinstance(item, torch.Tensor) or type(item).__name__ == "ndarray":
         t = torch.as_tensor(item)
-        if t.ndim != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        integer = not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+        if not 1 <= t.ndim <= max_ndim or not integer:
+            dims = "1-D" if max_ndim == 1 else f"1-D to {max_ndim}-D"
             raise SdpaTypeError(
-                f"the key dim takes a 1-D integer tensor of key indices, got "
-                f"{tuple(t.shape)} {t.dtype}; for a boolean selection pass "
-                f"sel.nonzero()[:, 0]"
+                f"{what} takes a {dims} integer tensor of indices, got {tuple(t.shape)} "
+                f"{t.dtype}; for a boolean selection pass sel.nonzero()[:, 0]"
             )
         t = t.to("cpu", torch.long)
     else:
         return None
     if t.numel() and not bool(((t >= -size) & (t < size)).all()):
         bad = t[(t < -size) | (t >= size)][0].item()
-        raise IndexError(f"key index {bad} is out of bounds for the key dim with size {size}")
+        noun = "key index" if what == "the key dim" else f"{what} entry"
+        raise IndexError(f"{noun} {bad} is out of bounds for {what} with size {size}")
     return t % size if t.numel() else t
 
 

@@ -111,7 +111,7 @@ def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:
         m = mask if mask.shape[0] == 1 else mask[piece.batch]
         out = m[:, :, piece.q0 : piece.q1, piece.k0 : piece.k1]
     if inputs.causal:
-        band = masks.visible(q_pos, k_pos)[None, None]  # (1, 1, r, c) top-left
+        band = masks.visible_grid(q_pos, k_pos)[None, None]  # (1, 1, r, c) top-left
         out = band if out is None else out & band
     return out
 

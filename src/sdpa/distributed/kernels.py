@@ -70,7 +70,8 @@ def _scores(q, k, bias, causal, scale, rows: slice):
         s = s + bias[:, :, rows]
     if causal:  # top-left
         i = torch.arange(rows.start, rows.stop, device=s.device)
-        s = s.masked_fill(~masks.visible(i, torch.arange(s.shape[-1], device=s.device)), -torch.inf)
+        keys = torch.arange(s.shape[-1], device=s.device)
+        s = s.masked_fill(~masks.visible_grid(i, keys), -torch.inf)
     return s
 
 
