@@ -35,6 +35,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -145,7 +146,7 @@ class Marker:
     mask), zeros_like(pattern), and tests of a chain's own value (dead rows of the
     scores, NaNs of the pattern), evaluated at `prefix` ops of that chain."""
 
-    kind: str  # "ones", "tril", "not_tril", "additive", "zeros", "dead", "nan"
+    kind: str  # "ones", "tril", "not_tril", "additive", "zeros", "dead", "nan", "knock"
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
@@ -153,6 +154,7 @@ class Marker:
     keep: object = None  # "additive": the bool keep mask (tensor or Marker)
     fill: float = 0.0
     prefix: int = 0  # "dead" / "nan": the chain's value after this many ops
+    edit: object = None  # "knock": the KnockOut whose dropped scores this marks (H, L, S)
 
     def build(self, rows: Selection | None = None, at: torch.Tensor | None = None) -> T:
         """The dense value, restricted to `rows` where given; `at`: the chain's value at
@@ -168,6 +170,9 @@ class Marker:
                                                       device=self.device))  # fmt: skip
         if self.kind == "zeros":
             return _pick(torch.zeros(self.shape, dtype=self.dtype, device=self.device), rows)
+        if self.kind == "knock":
+            H, L, S = self.shape
+            return _pick(self.edit.knocked(H, L, S, self.device), rows)
         L, S = self.shape[-2], self.shape[-1]
         q_pos = torch.arange(L, device=self.device)
         if rows is not None and rows.r is not None:
@@ -175,7 +180,7 @@ class Marker:
         k_pos = torch.arange(S, device=self.device)
         if self.kind == "ones":
             return torch.ones(len(q_pos), S, dtype=torch.bool, device=self.device)
-        seen = masks.visible(q_pos, k_pos, self.diagonal)  # tril(ones, diagonal)
+        seen = masks.visible_grid(q_pos, k_pos, self.diagonal)  # tril(ones, diagonal)
         return seen if self.kind == "tril" else ~seen
 
 
@@ -597,12 +602,25 @@ def _rows(node: Node, lead: Selection | None, r: slice | T | None, keys: object)
     return x
 
 
-def _positions(sel: Selection, shape: tuple[int, ...]) -> tuple[T, T, T]:
-    """The (batch, head, row) positions a selection picks, as int64 tensors."""
-    return tuple(
+class Where(NamedTuple):
+    """Which values a part of a pattern (B', H', n, S) holds: the int64 positions of its
+    batch entries, heads and rows among the whole (B, H, L, S)."""
+
+    b: T
+    h: T
+    r: T
+    B: int
+    H: int
+    L: int
+
+
+def _positions(sel: Selection, shape: tuple[int, ...]) -> Where:
+    """The positions a selection picks."""
+    picked = [
         torch.arange(n)[index] if index is not None else torch.arange(n)
         for n, index in zip(shape[:3], (sel.b, sel.h, sel.r), strict=True)
-    )  # type: ignore[return-value]
+    ]
+    return Where(*picked, *shape[:3])
 
 
 def _from_weights(w: AttentionWeights, sel: Selection, keys: object) -> T:
@@ -781,7 +799,7 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
             return NotImplemented
         if isinstance(m, Marker) and m.kind == "not_tril":
             term = ("causal", m.diagonal)
-        elif isinstance(m, Marker) and m.kind in ("tril", "ones"):
+        elif isinstance(m, Marker) and m.kind in ("tril", "ones", "knock"):
             term = ("drop", mask)
         elif isinstance(mask, torch.Tensor) and not isinstance(mask, Deferred) and mask.dtype == torch.bool:
             term = ("drop", mask)
@@ -918,7 +936,7 @@ def _call(node: Node) -> Call | None:
         device = node.device
         q_pos, k_pos = torch.arange(L, device=device), torch.arange(S, device=device)
         for d in causal:
-            seen = masks.visible(q_pos, k_pos, d)
+            seen = masks.visible_grid(q_pos, k_pos, d)
             keep = seen if keep is None else keep & seen
         for kind, m in keeps:
             m = _value(m, None, None)
@@ -956,13 +974,7 @@ def _matmul(p: Deferred, v: object) -> object:
     if q.dtype != v.dtype:
         q, k = q.to(v.dtype), k.to(v.dtype)
     if node.edits:
-        out = node.edits[0].fused(q, k, v, call.mask, call.scale)
-        for edit in node.edits[1:]:
-            raise NotSupportedError(
-                f"two sdpa edits on one attention call ({node.edits[0]!r} then {edit!r}); "
-                f"apply one per call, or compose them densely on a materialised pattern"
-            )
-        return out.to(out_dtype)
+        return node.edits[0].fused(q, k, v, call.mask, call.scale).to(out_dtype)
     out, w = attention(q, k, v, call.mask, scale=call.scale)
     if call.weights is None and q is call.q:
         call.weights = w
@@ -1005,6 +1017,8 @@ def _getitem(x: Deferred, index: object) -> object:
         return NotImplemented
     whole = lambda it, n: isinstance(it, slice) and range(*it.indices(n)) == range(n)  # noqa: E731
     L, S = node.shape[-2], node.shape[-1]
+    if lead is _WHOLE:
+        lead = None
     if whole(q_item, L) and whole(k_item, S):
         return x._derive(shape=_lead_sizes(node.shape, lead), lead=lead)
     r = q_item if not isinstance(q_item, int) else slice(q_item % L, q_item % L + 1)
@@ -1074,6 +1088,9 @@ def _normalize(index: object, shape: tuple[int, ...]) -> list | None:
     return out
 
 
+_WHOLE = Selection()  # a lead selection of every entry (the view is the whole tensor)
+
+
 def _compose_lead(lead: Selection | None, items: list, node_shape: tuple[int, ...]) -> Selection | None:
     """The view's lead selection after indexing its lead dims with items."""
     B, H = node_shape[0], node_shape[1]
@@ -1091,6 +1108,12 @@ def _compose_lead(lead: Selection | None, items: list, node_shape: tuple[int, ..
             item %= size
             drop.add(dim)
         current[dim] = _compose(current[dim], item, n)
+    for dim, n in ((0, B), (1, H)):
+        index = current[dim]
+        if isinstance(index, slice) and range(*index.indices(n)) == range(n):
+            current[dim] = None  # every entry: no selection
+    if current == [None, None] and not drop:
+        return _WHOLE
     return Selection(current[0], current[1], None, tuple(sorted(drop)))
 
 
@@ -1325,6 +1348,30 @@ class Intercept(TorchFunctionMode):
         shape = torch.broadcast_shapes(keep.shape, a.shape, b.shape)
         m = Marker("additive", tuple(shape), a.dtype, a.device, keep=keep, fill=fill[1])
         return make(m, self.budget)
+
+
+def with_edit(x: Deferred, edit) -> Deferred | None:
+    """x with an sdpa edit applied lazily (the edit's own fused form then runs at the
+    product with the values), or None where x cannot keep it lazily: a pattern edit on a
+    LazyPattern of a recorded call, a KnockOut (point "hook_attn_scores") on the scores
+    as one more mask term."""
+    node = x._node
+    if not isinstance(node, Node) or x._lead is not None or x._to is not None:
+        return None
+    if edit.point == "hook_attn_scores" and node.kind == "scores" and node.replayable:
+        B, H, L, S = node.shape
+        marker = Marker("knock", (H, L, S), torch.bool, node.device, edit=edit)
+        knocked = _wrap(x, marker)
+        got = _score_op(x, T.masked_fill, (x, knocked, -torch.inf), {})
+        return None if got is NotImplemented else got
+    if edit.point == "hook_pattern" and node.kind == "pattern" and node.replayable:
+        if node.edits:
+            raise NotSupportedError(
+                f"two sdpa edits on one attention call ({node.edits[0]!r} then {edit!r}); "
+                f"apply one per call, or compose them on a dense pattern"
+            )
+        return _wrap(x, replace(node, edits=(*node.edits, edit)))
+    return None
 
 
 def weights_pattern(w: AttentionWeights, budget: int | None = DEFAULT_MAX_BYTES) -> LazyPattern:
