@@ -236,7 +236,10 @@ class Node:
     spec: Spec = field(default_factory=Spec)
     call: Call | None = None
     edits: tuple = ()
-    dead_zeroed: bool = True  # rows that see no key are 0 (sdpa's convention) here
+    # rows that see no key: "sdpa" (there are none, or eager zeroed them: its values are
+    # sdpa's), "eager" (eager's finite fill gives them uniform weights, sdpa 0),
+    # "pending" (compatibility mode between zeroing their scores and their weights)
+    dead: str = "sdpa"
     versions: tuple = ()
 
     @property
@@ -245,9 +248,9 @@ class Node:
 
     @property
     def fused(self) -> bool:
-        """Whether sdpa's weights equal this pattern (to rounding): no edits, and rows
-        that see no key are 0 as in sdpa."""
-        return self.kind == "pattern" and not self.edits and self.dead_zeroed
+        """Whether sdpa's weights equal this pattern (to rounding) in every row: no
+        edits, and no row that sees no key where eager and sdpa differ."""
+        return self.kind == "pattern" and not self.edits and self.dead == "sdpa"
 
     def check_fresh(self) -> None:
         now = tuple(t._version for t in self._watched())
@@ -825,10 +828,17 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
         call = _call(node)
         if call is None:
             return NotImplemented
-        pattern = replace(out._node, kind="pattern", dtype=dtype, call=call,
-                          dead_zeroed=not spec.dead)  # fmt: skip
+        dead = "pending" if spec.dead else "eager" if _may_see_nothing(spec) else "sdpa"
+        pattern = replace(out._node, kind="pattern", dtype=dtype, call=call, dead=dead)
         return _wrap(x, pattern)
     return NotImplemented
+
+
+def _may_see_nothing(spec: Spec) -> bool:
+    """Whether a query row may see no key under the mask terms (a row filled with a
+    finite value then softmaxes to uniform weights on eager): any term but causal
+    masking that keeps the diagonal."""
+    return any(kind != "causal" or value < 0 for kind, value in spec.terms)
 
 
 def _pattern_op(x: Deferred, func, args, kwargs) -> object:
@@ -846,7 +856,7 @@ def _pattern_op(x: Deferred, func, args, kwargs) -> object:
         value = _number(args[2] if len(args) > 2 else kwargs.get("value"))
         m = _node_of(mask)
         if value == 0.0 and isinstance(m, Marker) and m.kind == "dead" and node.replayable:
-            return _record(x, func, args, kwargs, dead_zeroed=True)
+            return _record(x, func, args, kwargs, dead="sdpa")
         return NotImplemented
     if func in ISNAN and len(args) == 1 and node.replayable:
         return make(Marker("nan", node.shape, torch.bool, node.device, prefix=len(node.ops)),
@@ -965,7 +975,7 @@ def _matmul(p: Deferred, v: object) -> object:
     if (
         node.kind != "pattern" or not isinstance(v, torch.Tensor) or isinstance(v, Deferred)
         or p._lead is not None or p._to is not None or v.ndim != 4
-        or not node.dead_zeroed or node.call is None or node.call.q is None
+        or node.dead == "pending" or node.call is None or node.call.q is None
     ):  # fmt: skip
         return NotImplemented
     call = node.call
@@ -1256,7 +1266,7 @@ def _by_chunks(x: Deferred, node: Node, what: str, k: int) -> object:
 
 class Intercept(TorchFunctionMode):
     """Active around an attention module's forward: the first product q @ k^T of 4-D
-    tensors returns LazyScores; the bool masks and 0-d fill values eager code builds are
+    tensors (the first only: a later p @ v has the same shapes) returns LazyScores; the bool masks and 0-d fill values eager code builds are
     kept symbolic (Marker). `bypass()` turns it off (sdpa's own calls run under it)."""
 
     def __init__(self, budget: int | None = DEFAULT_MAX_BYTES) -> None:
@@ -1264,6 +1274,7 @@ class Intercept(TorchFunctionMode):
         self.budget = budget
         self.fills: dict[int, tuple[T, float]] = {}  # id -> (0-d tensor, its value)
         self.off = 0
+        self.armed = True  # one q @ k^T per forward: later products (p @ v) are not scores
 
     @contextlib.contextmanager
     def bypass(self) -> Iterator[None]:
@@ -1280,15 +1291,17 @@ class Intercept(TorchFunctionMode):
     def __exit__(self, *exc):
         _forward_depth.reset(self._token)
         self.fills.clear()
+        self.armed = True
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.off:
             return func(*args, **kwargs)
-        if func in MATMUL and len(args) == 2 and not kwargs:
+        if func in MATMUL and len(args) == 2 and not kwargs and self.armed:
             got = self._scores(*args)
             if got is not None:
+                self.armed = False
                 return got
         elif func is torch.ones:
             got = self._ones(args, kwargs)
