@@ -49,10 +49,14 @@ from sdpa.weights import AttentionWeights
 F = torch.nn.functional
 T = torch.Tensor
 _SELF = object()  # where the deferred value goes in a recorded op's arguments
+_OF_CHAIN = ("dead", "nan", "rowmax", "rowargmax")  # markers of a chain's own value
 MASKED = -1e30  # a fill value at or below this masks the entry out (finfo.min, -inf)
 ROW_BYTES = 64 * 2**20  # rows read per chunk by the reductions of a lazy view
 
 _forward_depth: contextvars.ContextVar[int] = contextvars.ContextVar("sdpa_deferred", default=0)
+_active: contextvars.ContextVar[Intercept | None] = contextvars.ContextVar(
+    "sdpa_deferred_intercept", default=None
+)
 
 
 def in_forward() -> bool:
@@ -81,6 +85,7 @@ ADD = _ops("add", "__add__", "__radd__")
 TANH = _ops("tanh")
 MASKED_FILL = _ops("masked_fill")
 SOFTMAX = _ops("softmax")
+CAT, MAX, SUB = _ops("cat", "concat", "concatenate"), _ops("max"), _ops("sub", "subtract", "__sub__")
 DROPOUT = frozenset({F.dropout, torch.dropout})
 WHERE = frozenset({torch.where})
 ISNAN, ISNEGINF, ALL = _ops("isnan"), _ops("isneginf"), _ops("all")
@@ -146,7 +151,7 @@ class Marker:
     mask), zeros_like(pattern), and tests of a chain's own value (dead rows of the
     scores, NaNs of the pattern), evaluated at `prefix` ops of that chain."""
 
-    kind: str  # "ones", "tril", "not_tril", "additive", "zeros", "dead", "nan", "knock"
+    kind: str  # ones, tril, not_tril, additive, zeros, dead, nan, knock, rowmax
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
@@ -155,12 +160,21 @@ class Marker:
     fill: float = 0.0
     prefix: int = 0  # "dead" / "nan": the chain's value after this many ops
     edit: object = None  # "knock": the KnockOut whose dropped scores this marks (H, L, S)
+    of: object = None  # a test of a chain's value: the chain (a Node) at `prefix` ops
 
     def build(self, rows: Selection | None = None, at: torch.Tensor | None = None) -> T:
         """The dense value, restricted to `rows` where given; `at`: the chain's value at
-        `prefix` (for the tests of a chain's value)."""
+        `prefix` (for the tests of a chain's value; replayed where not given)."""
+        if at is None and self.kind in _OF_CHAIN + ("isneginf",):
+            at = replay(self.of, rows)
+        if self.kind == "isneginf":
+            return torch.isneginf(at)
         if self.kind == "dead":
             return torch.isneginf(at).all(dim=-1, keepdim=True)
+        if self.kind == "rowmax":
+            return at.max(dim=-1, keepdim=True).values
+        if self.kind == "rowargmax":
+            return at.max(dim=-1, keepdim=True).indices
         if self.kind == "nan":
             return torch.isnan(at)
         if self.kind == "additive":
@@ -190,13 +204,15 @@ class Spec:
     tanh), then the mask terms in order: ("causal", d) keeps key j for query i when
     j <= i + d; ("keep", m) keeps where m is True; ("drop", m) masks where m is True;
     ("bias", t) adds t. dead: eager zeroed the scores of rows that see no key
-    (TransformerLens' compatibility mode), to be zeroed again after the softmax."""
+    (TransformerLens' compatibility mode), to be zeroed again after the softmax. sinks:
+    a column of logits concatenated after the keys (GPT-OSS), dropped after the softmax."""
 
     pre: float = 1.0
     tanh: bool = False
     post: float = 1.0
     terms: tuple = ()
     dead: bool = False
+    sinks: T | None = None  # (B|1, H|1, L|1, 1) logits eager concatenated as a last key
 
 
 @dataclass(eq=False)
@@ -314,7 +330,7 @@ def _value(arg: object, sel: Selection | None, at: dict[int, T] | None) -> objec
     if isinstance(arg, Deferred):
         node = arg._node
         if isinstance(node, Marker):
-            if node.kind in ("dead", "nan"):
+            if node.kind in _OF_CHAIN:
                 return node.build(at=at[id(node)])
             return node.build(sel)
         return _pick(arg._dense(None), sel)
@@ -334,17 +350,26 @@ def replay(node: Node, sel: Selection | None = None) -> T:
     for op in node.ops:
         for a in (*op.args, *op.kwargs.values()):
             m = a._node if isinstance(a, Deferred) else None
-            if isinstance(m, Marker) and m.kind in ("dead", "nan"):
+            if isinstance(m, Marker) and m.kind in _OF_CHAIN:
                 wanted.setdefault(m.prefix, []).append(m)
     at: dict[int, T] = {}
     x = torch.matmul(_pick(node.q, sel), _pick(node.kt, replace(sel, r=None) if sel else None))
     for i, op in enumerate(node.ops):
         for m in wanted.get(i, ()):
             at[id(m)] = m.build(at=x)
-        args = [x if a is _SELF else _value(a, sel, at) for a in op.args]
-        kwargs = {k: x if a is _SELF else _value(a, sel, at) for k, a in op.kwargs.items()}
+        args = [_real(a, x, sel, at) for a in op.args]
+        kwargs = {k: _real(a, x, sel, at) for k, a in op.kwargs.items()}
         x = op.func(*args, **kwargs)
     return x
+
+
+def _real(a: object, x: T, sel: Selection | None, at: dict) -> object:
+    """A recorded argument with _SELF as x and the rest as real values."""
+    if a is _SELF:
+        return x
+    if isinstance(a, list | tuple) and any(b is _SELF for b in a):
+        return type(a)(_real(b, x, sel, at) for b in a)
+    return _value(a, sel, at)
 
 
 # ---- the tensor subclass ----
@@ -678,11 +703,18 @@ def _handle(func, args, kwargs) -> object:
     first = args[0]
     if func in STACK:
         return _stack(args, kwargs)
+    if func in CAT and isinstance(first, list | tuple) and first and isinstance(_node_of(first[0]), Node):
+        x = first[0]
+        if x._node.kind == "scores" and x._lead is None and x._to is None:
+            return _score_op(x, func, args, kwargs)
+        return NotImplemented
     node = _node_of(first)
     if func in MATMUL and isinstance(_node_of(first), Node) and len(args) == 2:
         return _matmul(first, args[1])
     if func in WHERE and len(args) == 3 and isinstance(_node_of(args[2]), Node):
         return _where(args, kwargs)
+    if func in WHERE and len(args) == 3 and isinstance(_node_of(args[1]), Node) and not kwargs:
+        return _where_scores(*args)
     if isinstance(node, Marker):
         return _marker_op(first, node, func, args, kwargs)
     if func in ADD and len(args) == 2 and isinstance(_node_of(args[1]), Node):
@@ -707,6 +739,12 @@ def _handle(func, args, kwargs) -> object:
         return first
     if func is T.to or func is T.type or func is T.float or func is T.cpu or func is T.cuda:
         return _to(first, func, args, kwargs)
+    if func is T.__getitem__ and node.kind == "pattern" and node.spec.sinks is not None:
+        return _drop_sink(first, args[1])
+    if in_forward() and node.kind == "scores" and (func is T.__getitem__ or func in REDUCTIONS):
+        if func is T.__getitem__ and _is_whole(args[1], tuple(first.shape)):
+            return first  # run_with_cache's pos_slice of every position
+        return NotImplemented  # inside a forward a read of the scores is eager's, exactly
     if func is T.__getitem__:
         return _getitem(first, args[1])
     if first._lead is None and first._to is None:
@@ -726,8 +764,15 @@ def _fallback(func, args, kwargs) -> object:
     real = torch.utils._pytree.tree_map(
         lambda a: a._dense() if isinstance(a, Deferred) else a, (args, kwargs)
     )
-    if in_forward() and any(isinstance(a, Deferred) for a in _flat(args)):
-        _note_fallback(func, args)
+    deferreds = [a for a in _flat(args) if isinstance(a, Deferred)]
+    if in_forward() and deferreds:
+        bare = all(isinstance(a._node, Node) and a._node.kind == "scores" and not a._node.ops
+                   for a in deferreds)  # fmt: skip
+        if not bare:  # (a bare product met another op: not attention scores, eager's)
+            _note_fallback(func, args)
+        mode = _active.get()
+        if mode is not None and any(getattr(a._node, "kind", None) == "scores" for a in deferreds):
+            mode.armed = True  # no softmax came: the next product may be the scores
     return func(*real[0], **real[1])
 
 
@@ -763,11 +808,20 @@ def _note_fallback(func, args) -> None:
 def _record(x: Deferred, func, args, kwargs, **changes) -> Deferred:
     """x with one more op recorded (args with x replaced by _SELF)."""
     node: Node = x._node
-    op = Op(func, tuple(_SELF if a is x else a for a in args),
-            {k: _SELF if a is x else a for k, a in kwargs.items()})  # fmt: skip
+    op = Op(func, tuple(_as_self(a, x) for a in args),
+            {k: _as_self(a, x) for k, a in kwargs.items()})  # fmt: skip
     ops = (*node.ops, op)
     changes.setdefault("versions", _versions(node.q, node.kt, ops))
     return _wrap(x, replace(node, ops=ops, **changes))
+
+
+def _as_self(a: object, x: Deferred) -> object:
+    """a with x replaced by _SELF (in lists and tuples too: torch.cat's tensors)."""
+    if a is x:
+        return _SELF
+    if isinstance(a, list | tuple):
+        return type(a)(_as_self(b, x) for b in a)
+    return a
 
 
 def _wrap(x: Deferred, node: object) -> Deferred:
@@ -818,6 +872,21 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
         else:
             return NotImplemented
         return _record(x, func, args, kwargs, spec=replace(spec, terms=(*spec.terms, term)))
+    if func in CAT and spec.sinks is None and not spec.tanh:
+        return _cat_sink(x, args, kwargs)
+    if func in MAX and spec.sinks is not None and len(args) == 1 + ("dim" not in kwargs):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dim in (-1, 3) and kwargs.get("keepdim", False) and set(kwargs) <= {"dim", "keepdim"}:
+            m = Marker("rowmax", (*node.shape[:-1], 1), node.dtype, node.device,
+                       prefix=len(node.ops), of=node)  # fmt: skip
+            indices = replace(m, kind="rowargmax", dtype=torch.long)
+            return torch.return_types.max((_wrap(x, m), _wrap(x, indices)))
+        return NotImplemented
+    if func in SUB and spec.sinks is not None and len(args) == 2 and not kwargs:
+        m = _node_of(args[1])
+        if isinstance(m, Marker) and m.kind == "rowmax" and m.prefix == len(node.ops):
+            return _record(x, func, args, kwargs)  # a shift: the softmax is the same
+        return NotImplemented
     if func in SOFTMAX:
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         at = 3 if func is F.softmax else 2  # F.softmax(x, dim, _stacklevel, dtype)
@@ -825,13 +894,50 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
         if dim not in (-1, 3) or len(args) > at + 1:
             return NotImplemented
         out = _record(x, func, args, kwargs)
-        call = _call(node)
-        if call is None:
+        call = _call(node) if spec.sinks is None else None  # (sinks: at the drop)
+        if call is None and spec.sinks is None:
             return NotImplemented
         dead = "pending" if spec.dead else "eager" if _may_see_nothing(spec) else "sdpa"
         pattern = replace(out._node, kind="pattern", dtype=dtype, call=call, dead=dead)
         return _wrap(x, pattern)
     return NotImplemented
+
+
+def _cat_sink(x: Deferred, args, kwargs) -> object:
+    """torch.cat([scores, sinks], dim=-1) with sinks (..., 1) real logits: the sink."""
+    tensors = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if (
+        dim not in (-1, 3) or len(tensors) != 2 or tensors[0] is not x
+        or not isinstance(tensors[1], torch.Tensor) or isinstance(tensors[1], Deferred)
+        or tensors[1].shape[-1] != 1 or tensors[1].ndim != 4 or set(kwargs) - {"dim"}
+    ):  # fmt: skip
+        return NotImplemented
+    node: Node = x._node
+    spec = replace(node.spec, sinks=tensors[1])
+    out = _record(x, torch.cat, args, kwargs, spec=spec)
+    return _wrap(x, replace(out._node, shape=(*node.shape[:-1], node.shape[-1] + 1)))
+
+
+def _drop_sink(x: Deferred, index: object) -> object:
+    """pattern[..., :-1] of a pattern with a sink column: the pattern over the keys, the
+    sdpa call with masks.sinks."""
+    node: Node = x._node
+    S = node.shape[-1] - 1
+    items = _normalize(index, node.shape)
+    if items is None or not all(
+        isinstance(it, slice) and range(*it.indices(n)) == range(n)
+        for it, n in zip(items[:-1], node.shape[:-1], strict=True)
+    ) or not isinstance(items[-1], slice) or range(*items[-1].indices(S + 1)) != range(S):
+        return NotImplemented
+    out = _record(x, T.__getitem__, (x, index), {})
+    keys = replace(out._node, shape=(*node.shape[:-1], S))
+    call = _call(keys)
+    if call is None:
+        return NotImplemented
+    call.mask = masks.sinks(node.spec.sinks, call.mask)
+    dead = "eager" if _may_see_nothing(node.spec) else "sdpa"
+    return _wrap(x, replace(keys, call=call, dead=dead, spec=replace(node.spec, sinks=None)))
 
 
 def _may_see_nothing(spec: Spec) -> bool:
@@ -859,7 +965,7 @@ def _pattern_op(x: Deferred, func, args, kwargs) -> object:
             return _record(x, func, args, kwargs, dead="sdpa")
         return NotImplemented
     if func in ISNAN and len(args) == 1 and node.replayable:
-        return make(Marker("nan", node.shape, torch.bool, node.device, prefix=len(node.ops)),
+        return make(Marker("nan", node.shape, torch.bool, node.device, prefix=len(node.ops), of=node),
                     x._budget)  # fmt: skip
     return NotImplemented
 
@@ -876,6 +982,23 @@ def _where(args, kwargs) -> object:
     ):  # fmt: skip
         return _record(x, torch.where, args, kwargs)
     return NotImplemented
+
+
+def _where_scores(cond, x: Deferred, fill) -> object:
+    """torch.where(keep, scores, fill) with a 0-d fill at or below MASKED made in this
+    forward (GPT-Neo's causal mask): a keep term."""
+    mode = _active.get()
+    node = x._node
+    tagged = mode.fills.get(id(fill)) if mode is not None else None
+    if (
+        node.kind != "scores" or tagged is None or tagged[0] is not fill or tagged[1] > MASKED
+        or not isinstance(cond, torch.Tensor) or cond.dtype != torch.bool
+        or (isinstance(cond, Deferred) and not isinstance(cond._node, Marker))
+    ):  # fmt: skip
+        return NotImplemented
+    term = ("keep", cond)
+    return _record(x, torch.where, (cond, x, fill), {},
+                   spec=replace(node.spec, terms=(*node.spec.terms, term)))  # fmt: skip
 
 
 def _to(x: Deferred, func, args, kwargs) -> object:
@@ -1048,6 +1171,15 @@ def _getitem(x: Deferred, index: object) -> object:
     return x._convert(t)
 
 
+def _is_whole(index: object, shape: tuple[int, ...]) -> bool:
+    """Whether index picks every entry of every dim (x[:, :], x[...])."""
+    items = _normalize(index, shape)
+    return items is not None and all(
+        isinstance(it, slice) and range(*it.indices(n)) == range(n)
+        for it, n in zip(items, shape, strict=True)
+    )
+
+
 def _normalize(index: object, shape: tuple[int, ...]) -> list | None:
     """One item per dim (ints, slices, 1-D int tensors / lists), or None for indices a
     deferred tensor does not take (None, bools, multi-dim tensors)."""
@@ -1167,6 +1299,7 @@ def _stack_op(x: Deferred, s: Stack, func, args, kwargs) -> object:
 # ---- reductions over a view, in row chunks ----
 
 SUM, MEAN, AMAX, TOPK = _ops("sum"), _ops("mean"), _ops("amax"), _ops("topk")
+REDUCTIONS = SUM | MEAN | AMAX | TOPK
 
 
 def _reduction(x: Deferred, func, args, kwargs) -> object:
@@ -1264,6 +1397,9 @@ def _by_chunks(x: Deferred, node: Node, what: str, k: int) -> object:
 # ---- the interception of eager attention inside a forward ----
 
 
+FILLS = frozenset({torch.zeros, torch.full, torch.tensor})
+
+
 class Intercept(TorchFunctionMode):
     """Active around an attention module's forward: the first product q @ k^T of 4-D
     tensors (the first only: a later p @ v has the same shapes) returns LazyScores; the bool masks and 0-d fill values eager code builds are
@@ -1286,10 +1422,12 @@ class Intercept(TorchFunctionMode):
 
     def __enter__(self):
         self._token = _forward_depth.set(_forward_depth.get() + 1)
+        self._mode_token = _active.set(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         _forward_depth.reset(self._token)
+        _active.reset(self._mode_token)
         self.fills.clear()
         self.armed = True
         return super().__exit__(*exc)
@@ -1314,19 +1452,29 @@ class Intercept(TorchFunctionMode):
         elif func in ISNEGINF and args and isinstance(_node_of(args[0]), Node):
             node = args[0]._node
             if node.kind == "scores" and node.spec.terms:
-                m = Marker("isneginf", node.shape, torch.bool, node.device, prefix=len(node.ops))
+                m = Marker("isneginf", node.shape, torch.bool, node.device,
+                           prefix=len(node.ops), of=node)  # fmt: skip
                 return make(m, self.budget)
         elif func in WHERE and len(args) == 3 and not kwargs:
             got = self._additive(*args)
             if got is not None:
                 return got
         out = func(*args, **kwargs)
-        if (func is torch.zeros or func is torch.full) and isinstance(out, torch.Tensor):
-            if out.ndim == 0 and not isinstance(out, Deferred):
-                value = 0.0 if func is torch.zeros else _number(args[1] if len(args) > 1 else kwargs.get("fill_value"))
+        if func in FILLS and isinstance(out, torch.Tensor) and out.ndim == 0:
+            if not isinstance(out, Deferred):
+                value = self._fill_value(func, args, kwargs)
                 if value is not None:
                     self.fills[id(out)] = (out, value)
         return out
+
+    @staticmethod
+    def _fill_value(func, args, kwargs) -> float | None:
+        """The value of a 0-d tensor made by torch.zeros / full / tensor from numbers."""
+        if func is torch.zeros:
+            return 0.0
+        if func is torch.full:
+            return _number(args[1] if len(args) > 1 else kwargs.get("fill_value"))
+        return _number(args[0] if args else kwargs.get("data"))
 
     def _scores(self, a: object, b: object) -> Deferred | None:
         if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (a, b)):

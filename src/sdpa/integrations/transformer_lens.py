@@ -64,7 +64,12 @@ __all__ = [
 ]
 
 NAME = "lse_attention_tl"  # registered with transformers' attention and mask interfaces
+EAGER_MASK_NAME = "lse_attention_tl_eager_mask"  # the same function with eager's float mask
 HOOKS = ("hook_attn_scores", "hook_pattern")
+# Attention bridges whose code reads only the 4-D float mask eager builds (they break on
+# transformers' sdpa mask: None for plain causality, bool with padding): GLM-MoE-DSA
+# adds its index mask to it and builds a wrongly broadcast causal mask when it is None.
+EAGER_MASK_BRIDGES = frozenset({"GlmMoeDsaAttentionBridge"})
 
 # Set by an attention bridge's forward for the Hugging Face attention call inside it.
 _dense: contextvars.ContextVar[bool] = contextvars.ContextVar("sdpa_tl_dense", default=False)
@@ -103,13 +108,20 @@ def attention_forward(module, query, key, value, attention_mask, *args, **kwargs
     return out, deferred.weights_pattern(weights, _budget.get())
 
 
-def _register() -> str:
+def _eager_mask(*args, **kwargs):
+    from transformers.masking_utils import eager_mask
+
+    return eager_mask(*args, **kwargs)
+
+
+def _register(eager_mask: bool) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_hf.mask_function)
-    return NAME
+    name = EAGER_MASK_NAME if eager_mask else NAME
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, _eager_mask if eager_mask else sdpa_hf.mask_function)
+    return name
 
 
 def _attention_bridges(bridge: torch.nn.Module) -> list[torch.nn.Module]:
@@ -130,8 +142,10 @@ def use_sdpa(bridge: torch.nn.Module, *, max_dense_bytes: int | None = DEFAULT_M
     bridge computes outside a forward (an op that needs every value, e.g. circuitsvis
     or numpy) before refusing with WeightsTooLargeError; None: no limit.
     Undo with restore(bridge). The Hugging Face model's attention implementation
-    becomes "lse_attention_tl" (sdpa's function and transformers' sdpa mask, so a plain
-    causal mask reaches the bridges as None and they build it as causal).
+    becomes "lse_attention_tl": sdpa's function and transformers' sdpa mask, so a plain
+    causal mask reaches the bridges as None and they build it as causal (the tril that
+    the fused kernel runs as its causal path); bridges in EAGER_MASK_BRIDGES get eager's
+    float mask instead ("lse_attention_tl_eager_mask").
     """
     if type(bridge).__name__ != "TransformerBridge" and not hasattr(bridge, "original_model"):
         raise SdpaTypeError(
@@ -148,7 +162,8 @@ def use_sdpa(bridge: torch.nn.Module, *, max_dense_bytes: int | None = DEFAULT_M
             f"(architecture {getattr(getattr(bridge, 'cfg', None), 'architecture', None)!r})"
         )
     state = State(max_dense_bytes)
-    _set_implementation(bridge.original_model, _register(), state)
+    eager_mask = any(type(m).__name__ in EAGER_MASK_BRIDGES for m in attention)
+    _set_implementation(bridge.original_model, _register(eager_mask), state)
     for module in attention:
         # object.__setattr__: a bridge component forwards other attributes to the
         # Hugging Face module it wraps
