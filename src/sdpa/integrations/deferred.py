@@ -771,8 +771,8 @@ def _fallback(func, args, kwargs) -> object:
         if not bare:  # (a bare product met another op: not attention scores, eager's)
             _note_fallback(func, args)
         mode = _active.get()
-        if mode is not None and any(getattr(a._node, "kind", None) == "scores" for a in deferreds):
-            mode.armed = True  # no softmax came: the next product may be the scores
+        if mode is not None and bare:
+            mode.armed = True  # not the scores: the next product may be
     return func(*real[0], **real[1])
 
 
