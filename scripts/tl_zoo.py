@@ -168,7 +168,7 @@ def pattern_hook(bridge) -> str:
     """The first attention pattern hook's name (blocks.0.attn.hook_pattern in decoders)."""
     names = [n for n in bridge.hook_dict if n.endswith("hook_pattern")]
     if not names:
-        raise KeyError("no hook_pattern on this bridge")
+        raise KeyError("no attention pattern hook on this bridge (a state-space model)")
     return names[0]
 
 
@@ -191,7 +191,10 @@ def run(architecture: str, tok=None) -> Result:
     if model is None:
         res.status, res.detail = "cannot apply", why
         return res
-    embed = model.get_input_embeddings()
+    try:
+        embed = model.get_input_embeddings()
+    except NotImplementedError:
+        embed = None
     if not isinstance(getattr(embed, "weight", None), torch.Tensor) or embed.weight.ndim != 2:
         res.status, res.detail = "cannot apply", "not a text model (no token embedding)"
         return _done(res, start)
