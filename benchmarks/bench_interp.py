@@ -208,7 +208,8 @@ def comparisons() -> list[Comparison]:
         if L < 16384:  # detect_head asserts L < n_ctx
             out.append(Comparison(
                 f"detect {L}", f"induction scores of every head, {shape}", "float32",
-                ("heads.detect_head on sdpa", detect(True, L)), ("detect_head on eager", detect(False, L)),
+                ("heads.detect_head on sdpa", detect(True, L)),
+                ("detect_head on eager", detect(False, L)),
                 target=0.5 if L == 4096 else None, length=L,
                 memory=fits,
             ))  # fmt: skip

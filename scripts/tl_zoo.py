@@ -151,7 +151,7 @@ def diff(a, b) -> float:
 
 def compare_caches(c0, c1) -> tuple[float, str]:
     worst, where = 0.0, ""
-    for name in c0.keys():
+    for name in c0:
         a = c0[name]
         if not isinstance(a, torch.Tensor):
             continue

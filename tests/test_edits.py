@@ -107,7 +107,7 @@ def test_fused_equals_dense_edit(name, mask_kind, qkv):
 
 
 def test_zero_pattern_carries_gradients(qkv):
-    q, k, v, g = qkv
+    q, k, v, _ = qkv
     q, k, v = (t.double().requires_grad_() for t in (q[:, :, :50], k[:, :, :50], v[:, :, :50]))
     edit = edits.ZeroPattern(slice(10, None), [0, 4])
     mask = masks.causal()
@@ -192,8 +192,10 @@ def test_edits_as_transformer_lens_hooks(bridges):
         "knock": (edits.KnockOut([L - 1, 200], [0, 5, 17], heads=[1]),) * 2,
         "zero_pattern": (edits.ZeroPattern(slice(100, None), [0, 1, 2]),) * 2,
         "mean": (edits.MeanAblate([2], c0["pattern", 1]), edits.MeanAblate([2], c1["pattern", 1])),
-        "patch": (edits.PatchPattern(c0["pattern", 1], heads=[0, 3]),
-                  edits.PatchPattern(c1["pattern", 1], heads=[0, 3])),  # fmt: skip
+        "patch": (
+            edits.PatchPattern(c0["pattern", 1], heads=[0, 3]),
+            edits.PatchPattern(c1["pattern", 1], heads=[0, 3]),
+        ),
     }
     for name, (e0, e1) in pairs.items():
         before = deferred.fallbacks()

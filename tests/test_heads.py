@@ -16,11 +16,11 @@ from sdpa.integrations import heads
 pytest.importorskip("transformer_lens")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import tl_zoo  # noqa: E402
-from transformer_lens import head_detector  # noqa: E402
-from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
+import tl_zoo
+from transformer_lens import head_detector
+from transformer_lens.model_bridge import TransformerBridge
 
-import sdpa.integrations.transformer_lens as sdpa_tl  # noqa: E402
+import sdpa.integrations.transformer_lens as sdpa_tl
 
 TEXT = "the cat sat on the mat and the cat sat on the mat again and again and the dog"
 

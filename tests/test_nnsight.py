@@ -62,8 +62,12 @@ def test_call_site_shows_sdpa_weights(model):
 
 @pytest.mark.parametrize(
     "edit",
-    [edits.ScaleHeads({0: 0.5, 3: 2.0}), edits.ZeroPattern(slice(5, None), [0, 1]),
-     edits.KnockOut([19], [0, 2, 4]), edits.ZeroAblate([2])],  # fmt: skip
+    [
+        edits.ScaleHeads({0: 0.5, 3: 2.0}),
+        edits.ZeroPattern(slice(5, None), [0, 1]),
+        edits.KnockOut([19], [0, 2, 4]),
+        edits.ZeroAblate([2]),
+    ],
     ids=repr,
 )
 def test_edit_route_equals_eager_softmax_patch(model, edit):

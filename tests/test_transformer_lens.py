@@ -19,12 +19,12 @@ import torch
 pytest.importorskip("transformer_lens")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import tl_zoo  # noqa: E402
-from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
+import tl_zoo
+from transformer_lens.model_bridge import TransformerBridge
 
-import sdpa  # noqa: E402
-from sdpa.integrations import deferred  # noqa: E402
-from sdpa.integrations import transformer_lens as sdpa_tl  # noqa: E402
+import sdpa
+from sdpa.integrations import deferred
+from sdpa.integrations import transformer_lens as sdpa_tl
 
 pytestmark = pytest.mark.small_shapes  # the engines as users get them (small and fused)
 ATOL = 1e-5
@@ -244,7 +244,6 @@ def test_user_hooks_get_eager_tensors(pair):
 
 
 def test_gradients_through_the_fused_path(pair):
-    eager, ours = pair
     ids = tokens(B=1)
     grads = []
     for bridge in pair:
@@ -265,9 +264,9 @@ def test_incl_bwd_gives_dense_pattern_gradients(pair):
     ids = tokens(B=1, L=32)
     _, c0 = eager.run_with_cache(ids, return_type="loss", incl_bwd=True, names_filter=PATTERNS)
     _, c1 = ours.run_with_cache(ids, return_type="loss", incl_bwd=True, names_filter=PATTERNS)
-    grads = [k for k in c0.keys() if k.endswith("_grad")]
-    assert grads and sorted(c0.keys()) == sorted(c1.keys())
-    for k in c0.keys():
+    grads = [k for k in c0 if k.endswith("_grad")]
+    assert grads and sorted(c0) == sorted(c1)
+    for k in c0:
         assert type(c1[k]) is torch.Tensor
         close(c1[k], c0[k])
 
@@ -363,9 +362,12 @@ def test_intercept_understands_eager_code(variant):
     want, want_p, want_s = _listing(q, k, v, L, S, **kwargs)
     before = deferred.fallbacks()
     # (the softcap runs on sdpa's chunked engine: tiles of at most chunk_bytes)
-    with _Scores(2, 4, L, S) as seen, sdpa.settings.override(chunk_bytes=2**16):
-        with deferred.Intercept():
-            got, p, s = _listing(q, k, v, L, S, **kwargs)
+    with (
+        _Scores(2, 4, L, S) as seen,
+        sdpa.settings.override(chunk_bytes=2**16),
+        deferred.Intercept(),
+    ):
+        got, p, s = _listing(q, k, v, L, S, **kwargs)
     assert deferred.fallbacks() == before
     assert seen.made == 0  # the scores were never formed
     assert isinstance(p, deferred.LazyPattern) and isinstance(s, deferred.LazyScores)

@@ -85,7 +85,11 @@ ADD = _ops("add", "__add__", "__radd__")
 TANH = _ops("tanh")
 MASKED_FILL = _ops("masked_fill")
 SOFTMAX = _ops("softmax")
-CAT, MAX, SUB = _ops("cat", "concat", "concatenate"), _ops("max"), _ops("sub", "subtract", "__sub__")
+CAT, MAX, SUB = (
+    _ops("cat", "concat", "concatenate"),
+    _ops("max"),
+    _ops("sub", "subtract", "__sub__"),
+)
 DROPOUT = frozenset({F.dropout, torch.dropout})
 WHERE = frozenset({torch.where})
 ISNAN, ISNEGINF, ALL = _ops("isnan"), _ops("isneginf"), _ops("all")
@@ -116,13 +120,13 @@ def _property(func: Callable) -> str | None:
 def _inplace(func: Callable) -> bool:
     name = getattr(func, "__name__", "")
     return name == "__setitem__" or (
-        name.endswith("_") and not name.endswith("__") or name.startswith("__i")
+        (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
     )
 
 
 def _number(x: object) -> float | None:
     """x as a float if it is a Python (or numpy) real number, else None."""
-    if isinstance(x, bool) or not isinstance(x, int | float) and not hasattr(x, "__float__"):
+    if isinstance(x, bool) or (not isinstance(x, int | float) and not hasattr(x, "__float__")):
         return None
     if isinstance(x, torch.Tensor):
         return None
@@ -165,7 +169,7 @@ class Marker:
     def build(self, rows: Selection | None = None, at: torch.Tensor | None = None) -> T:
         """The dense value, restricted to `rows` where given; `at`: the chain's value at
         `prefix` (for the tests of a chain's value; replayed where not given)."""
-        if at is None and self.kind in _OF_CHAIN + ("isneginf",):
+        if at is None and self.kind in (*_OF_CHAIN, "isneginf"):
             at = replay(self.of, rows)
         if self.kind == "isneginf":
             return torch.isneginf(at)
@@ -285,9 +289,10 @@ class Node:
                 yield t
         for op in self.ops:
             for a in (*op.args, *op.kwargs.values()):
-                if isinstance(a, torch.Tensor) and not isinstance(a, Deferred):
-                    if not a.is_inference():
-                        yield a
+                if isinstance(a, torch.Tensor) and not isinstance(a, Deferred | type(None)):
+                    if a.is_inference():
+                        continue
+                    yield a
 
 
 def _versions(q: T, kt: T, ops: tuple[Op, ...]) -> tuple:
@@ -485,7 +490,7 @@ class Deferred(torch.Tensor):
         device, dtype = self._to
         return t.to(device=device, dtype=dtype)
 
-    def _dense(self, max_bytes: int | None | str = "budget") -> T:
+    def _dense(self, max_bytes: int | str | None = "budget") -> T:
         """The dense value of this tensor (with its view and conversion)."""
         node = self._node
         if max_bytes == "budget":
@@ -557,7 +562,9 @@ def _lead_sizes(node_shape: tuple[int, ...], lead: Selection | None) -> tuple[in
     """The view's shape: node (B, H, L, S) with lead chosen."""
     B, H, L, S = node_shape
     out = []
-    for dim, (n, index) in enumerate(((B, lead.b if lead else None), (H, lead.h if lead else None))):
+    for dim, (n, index) in enumerate(
+        ((B, lead.b if lead else None), (H, lead.h if lead else None))
+    ):
         if lead is not None and dim in lead.drop:
             continue
         out.append(_count(index, n))
@@ -576,10 +583,7 @@ def _compose(outer: slice | T | None, inner: object, n: int) -> slice | T:
     """Positions among n chosen by `inner` (an int, slice or int tensor, relative to the
     positions `outer` chose), as a slice where evenly spaced, else an int64 tensor."""
     base = torch.arange(n) if outer is None else torch.arange(n)[outer]
-    if isinstance(inner, int):
-        picked = base[inner % len(base)].reshape(1)
-    else:
-        picked = base[inner]
+    picked = base[inner % len(base)].reshape(1) if isinstance(inner, int) else base[inner]
     if picked.numel() == 0:
         return picked
     first = int(picked[0])
@@ -597,8 +601,10 @@ def _lead_of(t: T, lead: Selection | None, tail: int) -> T:
     for dim, index in ((0, sel.b), (1, sel.h)):
         if index is None:
             continue
-        t = t[(slice(None),) * dim + (index,)] if isinstance(index, slice) else t.index_select(
-            dim, index.to(t.device)
+        t = (
+            t[(slice(None),) * dim + (index,)]
+            if isinstance(index, slice)
+            else t.index_select(dim, index.to(t.device))
         )
     for dim in sorted(lead.drop, reverse=True):
         t = t.squeeze(dim)
@@ -618,7 +624,11 @@ def _rows(node: Node, lead: Selection | None, r: slice | T | None, keys: object)
     (None: all), dims kept: from sdpa's weights where they equal the pattern, else
     replayed (exact eager) rows, with edits applied."""
     sel = Selection(lead.b if lead else None, lead.h if lead else None, r)
-    if node.kind == "pattern" and node.fused and (node.call.weights is not None or not node.replayable):
+    if (
+        node.kind == "pattern"
+        and node.fused
+        and (node.call.weights is not None or not node.replayable)
+    ):
         return _from_weights(node.call.get_weights(), sel, keys)
     if not node.replayable:
         return _from_weights(node.call.get_weights(), sel, keys)
@@ -703,7 +713,12 @@ def _handle(func, args, kwargs) -> object:
     first = args[0]
     if func in STACK:
         return _stack(args, kwargs)
-    if func in CAT and isinstance(first, list | tuple) and first and isinstance(_node_of(first[0]), Node):
+    if (
+        func in CAT
+        and isinstance(first, list | tuple)
+        and first
+        and isinstance(_node_of(first[0]), Node)
+    ):
         x = first[0]
         if x._node.kind == "scores" and x._lead is None and x._to is None:
             return _score_op(x, func, args, kwargs)
@@ -717,12 +732,11 @@ def _handle(func, args, kwargs) -> object:
         return _where_scores(*args)
     if isinstance(node, Marker):
         return _marker_op(first, node, func, args, kwargs)
-    if func in ADD and len(args) == 2 and isinstance(_node_of(args[1]), Node):
-        if not isinstance(_node_of(args[0]), Node) and not kwargs:
-            return _score_op(args[1], func, (args[1], args[0]), {})  # x + scores
-    if func in MUL and len(args) == 2 and isinstance(_node_of(args[1]), Node):
-        if not isinstance(first, torch.Tensor) and not kwargs:
-            return _score_op(args[1], func, (args[1], args[0]), {})  # a * scores
+    swapped = len(args) == 2 and not kwargs and isinstance(_node_of(args[1]), Node)
+    if swapped and func in ADD and not isinstance(_node_of(args[0]), Node):
+        return _score_op(args[1], func, (args[1], args[0]), {})  # x + scores
+    if swapped and func in MUL and not isinstance(first, torch.Tensor):
+        return _score_op(args[1], func, (args[1], args[0]), {})  # a * scores
     if isinstance(node, Stack):
         return _stack_op(first, node, func, args, kwargs)
     if not isinstance(node, Node):
@@ -844,7 +858,9 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
         spec = replace(spec, post=spec.post * a) if spec.tanh else replace(spec, pre=spec.pre * a)
         return _record(x, func, args, kwargs, spec=spec)
     if func in TANH and len(args) == 1 and not kwargs and not spec.terms and not spec.tanh:
-        return _record(x, func, args, kwargs, spec=replace(spec, tanh=True, pre=spec.pre * spec.post, post=1.0))
+        return _record(
+            x, func, args, kwargs, spec=replace(spec, tanh=True, pre=spec.pre * spec.post, post=1.0)
+        )
     if func in MASKED_FILL:
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         value = args[2] if len(args) > 2 else kwargs.get("value")
@@ -856,18 +872,24 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
             return NotImplemented
         if isinstance(m, Marker) and m.kind == "not_tril":
             term = ("causal", m.diagonal)
-        elif isinstance(m, Marker) and m.kind in ("tril", "ones", "knock"):
-            term = ("drop", mask)
-        elif isinstance(mask, torch.Tensor) and not isinstance(mask, Deferred) and mask.dtype == torch.bool:
+        elif (isinstance(m, Marker) and m.kind in ("tril", "ones", "knock")) or (
+            isinstance(mask, torch.Tensor)
+            and not isinstance(mask, Deferred)
+            and mask.dtype == torch.bool
+        ):
             term = ("drop", mask)
         else:
             return NotImplemented
         return _record(x, func, args, kwargs, spec=replace(spec, terms=(*spec.terms, term)))
-    if func in ADD and len(args) == 2 and not kwargs.get("alpha", 1) != 1:
+    if func in ADD and len(args) == 2 and kwargs.get("alpha", 1) == 1:
         m = _node_of(other)
         if isinstance(m, Marker) and m.kind == "additive" and m.fill <= MASKED:
             term = ("keep", m.keep)
-        elif isinstance(other, torch.Tensor) and not isinstance(other, Deferred) and other.is_floating_point():
+        elif (
+            isinstance(other, torch.Tensor)
+            and not isinstance(other, Deferred)
+            and other.is_floating_point()
+        ):
             term = ("bias", other)
         else:
             return NotImplemented
@@ -925,10 +947,15 @@ def _drop_sink(x: Deferred, index: object) -> object:
     node: Node = x._node
     S = node.shape[-1] - 1
     items = _normalize(index, node.shape)
-    if items is None or not all(
-        isinstance(it, slice) and range(*it.indices(n)) == range(n)
-        for it, n in zip(items[:-1], node.shape[:-1], strict=True)
-    ) or not isinstance(items[-1], slice) or range(*items[-1].indices(S + 1)) != range(S):
+    if (
+        items is None
+        or not all(
+            isinstance(it, slice) and range(*it.indices(n)) == range(n)
+            for it, n in zip(items[:-1], node.shape[:-1], strict=True)
+        )
+        or not isinstance(items[-1], slice)
+        or range(*items[-1].indices(S + 1)) != range(S)
+    ):
         return NotImplemented
     out = _record(x, T.__getitem__, (x, index), {})
     keys = replace(out._node, shape=(*node.shape[:-1], S))
@@ -965,8 +992,8 @@ def _pattern_op(x: Deferred, func, args, kwargs) -> object:
             return _record(x, func, args, kwargs, dead="sdpa")
         return NotImplemented
     if func in ISNAN and len(args) == 1 and node.replayable:
-        return make(Marker("nan", node.shape, torch.bool, node.device, prefix=len(node.ops), of=node),
-                    x._budget)  # fmt: skip
+        m = Marker("nan", node.shape, torch.bool, node.device, prefix=len(node.ops), of=node)
+        return make(m, x._budget)
     return NotImplemented
 
 
@@ -1127,8 +1154,10 @@ def _marker_op(x: Deferred, m: Marker, func, args, kwargs) -> object:
             return make(replace(m, kind="dead", shape=(*m.shape[:-1], 1)), x._budget)
     if func is T.to or func is T.bool:
         device, dtype, rest = _to_args(func, args[1:], kwargs, x)
-        if rest is not None and (device is None or torch.device(device) == m.device) and (
-            dtype is None or dtype == m.dtype
+        if (
+            rest is not None
+            and (device is None or torch.device(device) == m.device)
+            and (dtype is None or dtype == m.dtype)
         ):
             return x
     return NotImplemented
@@ -1156,8 +1185,8 @@ def _getitem(x: Deferred, index: object) -> object:
         return x._derive(shape=_lead_sizes(node.shape, lead), lead=lead)
     r = q_item if not isinstance(q_item, int) else slice(q_item % L, q_item % L + 1)
     keys = None if whole(k_item, S) else k_item % S if isinstance(k_item, int) else k_item
-    out_shape = (*_lead_sizes(node.shape, lead)[:-2], _count(r, L),
-                 1 if isinstance(keys, int) else _count(keys if not isinstance(keys, list) else torch.tensor(keys), S))  # fmt: skip
+    n_keys = 1 if isinstance(keys, int) else _count(keys, S)
+    out_shape = (*_lead_sizes(node.shape, lead)[:-2], _count(r, L), n_keys)
     if not in_forward():
         check_fits(f"the {node.kind} rows", out_shape, x.element_size(), x._budget,
                    "Read fewer rows at a time, or full(max_bytes=None)")  # fmt: skip
@@ -1204,7 +1233,9 @@ def _normalize(index: object, shape: tuple[int, ...]) -> list | None:
             out.append(item)
         elif isinstance(item, int):
             out.append(item)
-        elif isinstance(item, list | range) and all(isinstance(i, int) and not isinstance(i, bool) for i in item):
+        elif isinstance(item, list | range) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in item
+        ):
             t = torch.tensor(list(item), dtype=torch.long)
             if t.numel() and not bool(((t >= -size) & (t < size)).all()):
                 raise IndexError(f"an index is out of bounds for a dim of size {size}")
@@ -1233,7 +1264,9 @@ def _normalize(index: object, shape: tuple[int, ...]) -> list | None:
 _WHOLE = Selection()  # a lead selection of every entry (the view is the whole tensor)
 
 
-def _compose_lead(lead: Selection | None, items: list, node_shape: tuple[int, ...]) -> Selection | None:
+def _compose_lead(
+    lead: Selection | None, items: list, node_shape: tuple[int, ...]
+) -> Selection | None:
     """The view's lead selection after indexing its lead dims with items."""
     B, H = node_shape[0], node_shape[1]
     current = [lead.b if lead else None, lead.h if lead else None]
@@ -1326,7 +1359,12 @@ def _reduction(x: Deferred, func, args, kwargs) -> object:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", ())
         if isinstance(dim, list | tuple) and len(dim) == 1:
             dim = dim[0]
-        if not isinstance(dim, int) or dim % nd != nd - 1 or kwargs.get("keepdim") or node.kind != "pattern":
+        if (
+            not isinstance(dim, int)
+            or dim % nd != nd - 1
+            or kwargs.get("keepdim")
+            or node.kind != "pattern"
+        ):
             return NotImplemented
         return _reduce(x, "amax")
     if func in TOPK:
@@ -1364,7 +1402,7 @@ def _reduce(x: Deferred, what: str, dim: int | None = None, k: int = 0) -> objec
 
 
 def _by_chunks(x: Deferred, node: Node, what: str, k: int) -> object:
-    B, H, L, S = node.shape
+    L, S = node.shape[-2:]
     lead = x._lead
     n_lead = math.prod(_lead_sizes(node.shape, lead)[:-2]) or 1
     step = max(1, ROW_BYTES // max(1, n_lead * S * 4))
@@ -1402,8 +1440,9 @@ FILLS = frozenset({torch.zeros, torch.full, torch.tensor})
 
 class Intercept(TorchFunctionMode):
     """Active around an attention module's forward: the first product q @ k^T of 4-D
-    tensors (the first only: a later p @ v has the same shapes) returns LazyScores; the bool masks and 0-d fill values eager code builds are
-    kept symbolic (Marker). `bypass()` turns it off (sdpa's own calls run under it)."""
+    tensors (the first only: a later p @ v has the same shapes) returns LazyScores; the
+    bool masks and 0-d fill values eager code builds are kept symbolic (Marker).
+    `bypass()` turns it off (sdpa's own calls run under it)."""
 
     def __init__(self, budget: int | None = DEFAULT_MAX_BYTES) -> None:
         super().__init__()
@@ -1460,11 +1499,11 @@ class Intercept(TorchFunctionMode):
             if got is not None:
                 return got
         out = func(*args, **kwargs)
-        if func in FILLS and isinstance(out, torch.Tensor) and out.ndim == 0:
-            if not isinstance(out, Deferred):
-                value = self._fill_value(func, args, kwargs)
-                if value is not None:
-                    self.fills[id(out)] = (out, value)
+        made = func in FILLS and isinstance(out, torch.Tensor) and not isinstance(out, Deferred)
+        if made and out.ndim == 0:
+            value = self._fill_value(func, args, kwargs)
+            if value is not None:
+                self.fills[id(out)] = (out, value)
         return out
 
     @staticmethod
@@ -1488,7 +1527,9 @@ class Intercept(TorchFunctionMode):
         return make(node, self.budget)
 
     def _ones(self, args, kwargs) -> Deferred | None:
-        size = args[0] if len(args) == 1 and isinstance(args[0], tuple | list | torch.Size) else args
+        size = (
+            args[0] if len(args) == 1 and isinstance(args[0], tuple | list | torch.Size) else args
+        )
         if kwargs.get("dtype") is not torch.bool or len(size) != 2:
             return None
         if not all(isinstance(n, int) for n in size) or set(kwargs) - {"dtype", "device"}:
@@ -1501,7 +1542,7 @@ class Intercept(TorchFunctionMode):
         zero, fill = self.fills.get(id(a)), self.fills.get(id(b))
         if zero is None or fill is None or zero[0] is not a or fill[0] is not b or zero[1] != 0.0:
             return None
-        keep = cond if isinstance(cond, Deferred) else cond
+        keep = cond
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
             return None
         if isinstance(keep, Deferred) and not isinstance(keep._node, Marker):
@@ -1520,7 +1561,7 @@ def with_edit(x: Deferred, edit) -> Deferred | None:
     if not isinstance(node, Node) or x._lead is not None or x._to is not None:
         return None
     if edit.point == "hook_attn_scores" and node.kind == "scores" and node.replayable:
-        B, H, L, S = node.shape
+        H, L, S = node.shape[1:]
         marker = Marker("knock", (H, L, S), torch.bool, node.device, edit=edit)
         knocked = _wrap(x, marker)
         got = _score_op(x, T.masked_fill, (x, knocked, -torch.inf), {})

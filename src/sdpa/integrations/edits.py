@@ -45,11 +45,11 @@ Index = int | Sequence[int] | slice | torch.Tensor | None
 
 __all__ = [
     "Edit",
-    "Where",
     "KnockOut",
     "MeanAblate",
     "PatchPattern",
     "ScaleHeads",
+    "Where",
     "ZeroAblate",
     "ZeroPattern",
 ]
@@ -293,7 +293,7 @@ class MeanAblate(Edit):
         return torch.where(_by_head(chosen), mean.expand_as(p), p)
 
     def fused(self, q, k, v, mask=None, scale=None):
-        B, H, L = q.shape[:3]
+        H = q.shape[-3]
         out = attention(q, k, v, mask, scale=scale).output
         heads = _select(self.heads, H, q.device, "heads").nonzero()[:, 0]
         if heads.numel() == 0:
@@ -329,7 +329,7 @@ class PatchPattern(Edit):
         return torch.where(_by_head(chosen), src, p)
 
     def fused(self, q, k, v, mask=None, scale=None):
-        B, H = q.shape[:2]
+        H = q.shape[-3]
         out = attention(q, k, v, mask, scale=scale).output
         heads = _select(self.heads, H, q.device, "heads").nonzero()[:, 0]
         vh = _kv_heads(v, H).index_select(1, heads)
@@ -344,7 +344,9 @@ class PatchPattern(Edit):
             if qs.shape[0] != vh.shape[0]:
                 qs = qs.expand(vh.shape[0], *qs.shape[1:])
                 ks = ks.expand(vh.shape[0], *ks.shape[1:])
-            patched = attention(qs, ks, vh, _heads_of_mask(call.mask, heads, H), scale=call.scale).output
+            patched = attention(
+                qs, ks, vh, _heads_of_mask(call.mask, heads, H), scale=call.scale
+            ).output
         return out.index_copy(1, heads, patched.to(out.dtype))
 
 
@@ -391,10 +393,9 @@ def _without(mask: object, knocked: torch.Tensor, L: int, S: int, device) -> obj
     """mask with the knocked (H, L, S) scores removed too: a bool mask (B|1, H, L, S),
     or the float mask with -inf there."""
     if isinstance(mask, masks.ScoreMod):
-        if mask.sinks is not None:
-            return masks.sinks(mask.sinks, _without(mask.mask if mask.softcap is None else
-                               masks.softcap(mask.softcap, mask.mask), knocked, L, S, device))  # fmt: skip
-        return masks.softcap(mask.softcap, _without(mask.mask, knocked, L, S, device))
+        inner = _without(mask.mask, knocked, L, S, device)
+        out = inner if mask.softcap is None else masks.softcap(mask.softcap, inner)
+        return out if mask.sinks is None else masks.sinks(mask.sinks, out)
     if mask is None:
         return ~knocked
     if isinstance(mask, masks.Mask):

@@ -71,7 +71,9 @@ def marked_pairs(kind: str, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     start_of = starts[torch.cumsum(first.long(), 0) - 1]  # (L,) group start, sorted order
     rank = torch.arange(L) - start_of  # earlier positions with the same token
     src = torch.repeat_interleave(torch.arange(L), rank)
-    offsets = torch.arange(src.numel()) - torch.repeat_interleave(torch.cumsum(rank, 0) - rank, rank)
+    offsets = torch.arange(src.numel()) - torch.repeat_interleave(
+        torch.cumsum(rank, 0) - rank, rank
+    )
     q_index, k_index = order[src], order[start_of[src] + offsets]  # k < q, same token
     if kind == "duplicate_token_head":
         return q_index, k_index
@@ -212,8 +214,14 @@ def detect_head(
     matches = -torch.ones(cfg.n_layers, cfg.n_heads, dtype=cfg.dtype)
     for layer, wanted in layer2heads.items():
         pattern = cache["pattern", layer, "attn"]
-        got = score(pattern, tokens[0], detection_pattern, exclude_bos=exclude_bos,
-                    exclude_current_token=exclude_current_token, error_measure=error_measure)
+        got = score(
+            pattern,
+            tokens[0],
+            detection_pattern,
+            exclude_bos=exclude_bos,
+            exclude_current_token=exclude_current_token,
+            error_measure=error_measure,
+        )
         matches[layer, wanted] = got[0, wanted].to(matches.dtype)  # fmt: skip
     return matches
 
@@ -227,4 +235,3 @@ def _layer_heads(heads, n_layers: int, n_heads: int) -> dict[int, list[int]]:
     for layer, head in heads:
         out.setdefault(layer, []).append(head)
     return out
-
