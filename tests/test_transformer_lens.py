@@ -325,9 +325,11 @@ def test_restore_and_refusals(llama_path, tok):
         sdpa_tl.use_sdpa(bridge, max_dense_bytes=-1)
 
 
-def _listing(q, k, v, L, S, causal_fill, bias=None, softcap=None, compat=False):
+def _listing(q, k, v, L, S, causal_fill, bias=None, softcap=None, compat=False, sinks=None):
     """Eager attention code as TransformerLens writes it (the ops the interception
-    must understand): scale, softcap, tril causal mask, additive mask, softmax, P @ v."""
+    must understand): scale, softcap, tril causal mask, additive mask, attention sinks
+    (GPT-OSS: a logit column concatenated, the row max subtracted, dropped after the
+    softmax), softmax, P @ v."""
     s = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
@@ -335,6 +337,12 @@ def _listing(q, k, v, L, S, causal_fill, bias=None, softcap=None, compat=False):
     s = s.masked_fill(~causal, causal_fill)
     if bias is not None:
         s = s + torch.where(bias, torch.zeros(()), torch.full((), causal_fill))
+    if sinks is not None:
+        column = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, L, -1)
+        s = torch.cat([s, column], dim=-1)
+        s = s - s.max(dim=-1, keepdim=True).values
+        p = torch.nn.functional.softmax(s, dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.matmul(p, v), p, s
     if compat:
         dead = torch.isneginf(s).all(dim=-1, keepdim=True)
         p = torch.nn.functional.softmax(s.masked_fill(dead, 0.0), dim=-1, dtype=torch.float32)
@@ -346,7 +354,7 @@ def _listing(q, k, v, L, S, causal_fill, bias=None, softcap=None, compat=False):
     return torch.matmul(p, v), p, s
 
 
-@pytest.mark.parametrize("variant", ["causal", "decode", "softcap", "padding", "compat"])
+@pytest.mark.parametrize("variant", ["causal", "decode", "softcap", "padding", "compat", "sinks"])
 def test_intercept_understands_eager_code(variant):
     g = torch.Generator().manual_seed(0)
     L, S = (4, 17000) if variant == "decode" else (300, 300)  # past the small backend
@@ -359,6 +367,8 @@ def test_intercept_understands_eager_code(variant):
         keep[0, ..., :9] = False
         kwargs["bias"] = keep
     kwargs["compat"] = variant == "compat"
+    if variant == "sinks":
+        kwargs["sinks"] = torch.randn(4, generator=g)
     want, want_p, want_s = _listing(q, k, v, L, S, **kwargs)
     before = deferred.fallbacks()
     # (the softcap runs on sdpa's chunked engine: tiles of at most chunk_bytes)
@@ -371,6 +381,7 @@ def test_intercept_understands_eager_code(variant):
     assert deferred.fallbacks() == before
     assert seen.made == 0  # the scores were never formed
     assert isinstance(p, deferred.LazyPattern) and isinstance(s, deferred.LazyScores)
+    assert p.shape == (2, 4, L, S)
     valid = slice(None) if variant != "padding" else (slice(None), slice(None), slice(9, None))
     close(got[valid], want[valid])  # rows that see no key: 0 on sdpa, uniform on eager
     close(p, want_p)  # replayed exactly there (the fill values are eager's)
