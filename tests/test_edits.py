@@ -52,16 +52,54 @@ def dense_scores(q, k, mask, scale=None):
     return s
 
 
-def listing(q, k, v, mask, edit: edits.Edit, scale=None):
-    """The edit applied to the materialised pattern (or scores, for a knock-out)."""
+def listing(q, k, v, mask, edit, scale=None):
+    """The edit applied to the materialised pattern (or scores, for a knock-out), by
+    `edit(scores, pattern)` returning the edited pattern."""
     s = dense_scores(q, k, mask, scale)
-    if edit.point == "hook_attn_scores":
-        s = edit.dense(s)
-    p = torch.softmax(s, dim=-1)
-    if edit.point == "hook_pattern":
-        p = edit.dense(p)
+    p = edit(s)
     v = v.double().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     return p @ v
+
+
+def _softmax(s):
+    return torch.softmax(s, dim=-1)
+
+
+def _set(p, heads, value):
+    p = p.clone()
+    p[:, heads] = value
+    return p
+
+
+def references(ref: torch.Tensor) -> dict:
+    """Each edit written out on the dense pattern, independently of sdpa's code."""
+
+    def knock(s):
+        s = s.clone()
+        for h in (1, 2):
+            for i in (299, 200, 5):
+                s[:, h, i, [0, 3, 17]] = -math.inf
+        return _softmax(s)
+
+    def zero_pattern(s):
+        p = _softmax(s).clone()
+        p[:, :, 100:, [0, 1, 2, 77]] = 0
+        return p
+
+    def scale(s):
+        p = _softmax(s).clone()
+        p[:, 0] *= 0.5
+        p[:, 2] *= 3.0
+        return p
+
+    return {
+        "zero": lambda s: _set(_softmax(s), [1, 3], 0.0),
+        "scale": scale,
+        "knock": knock,
+        "zero_pattern": zero_pattern,
+        "mean": lambda s: _set(_softmax(s), [2], ref[:, 2].double().mean(0)),
+        "patch": lambda s: _set(_softmax(s), [0, 3], ref[:1, [0, 3]].double()),
+    }
 
 
 @pytest.fixture
@@ -82,7 +120,7 @@ def _reference_pattern(g):
 
 
 def make_edits(g):
-    ref = _reference_pattern(g)
+    ref = _reference_pattern(torch.Generator().manual_seed(0))
     return {
         "zero": edits.ZeroAblate([1, 3]),
         "scale": edits.ScaleHeads({0: 0.5, 2: 3.0}),
@@ -98,8 +136,14 @@ def make_edits(g):
 def test_fused_equals_dense_edit(name, mask_kind, qkv):
     q, k, v, g = qkv
     edit = make_edits(g)[name]
+    ref = _reference_pattern(torch.Generator().manual_seed(0))
     mask = sdpa_mask(mask_kind, g)
-    want = listing(q, k, v, mask, edit)
+    want = listing(q, k, v, mask, references(ref)[name])
+    if edit.point == "hook_attn_scores":
+        dense = listing(q, k, v, mask, lambda s: _softmax(edit.dense(s)))
+    else:
+        dense = listing(q, k, v, mask, lambda s: edit.dense(_softmax(s)))
+    torch.testing.assert_close(dense, want, atol=1e-6, rtol=0)  # the edit on the pattern
     got = edit.fused(q, k, v, mask)
     plain = sdpa.attention(q, k, v, mask).output
     torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
