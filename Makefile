@@ -50,8 +50,11 @@ test: $(VENV)/.dev $(KVENV)/.kvpress chromium
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 	HF_HUB_OFFLINE=1 $(KVPY) -m pytest -q -m kvpress tests/test_kvpress.py
 
-# The API reference (mkdocs + mkdocstrings), offline, into site/; warnings are errors.
+# The guides and the API reference (mkdocs + mkdocstrings), offline, into site/; warnings
+# (a broken link or anchor, a page out of the nav) are errors, and so is a benchmark table
+# that differs from benchmarks/results (regenerate: python scripts/bench_tables.py).
 docs: $(VENV)/.dev
+	$(PY) scripts/bench_tables.py --check
 	$(PY) -m mkdocs build --strict --site-dir site
 
 lint: $(VENV)/.dev

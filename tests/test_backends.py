@@ -81,7 +81,7 @@ def test_cuda_inputs_match_the_oracle(gen):
 
 def test_bool_mask_converts_only_its_distinct_entries():
     """A (B, 1, 1, S) key-padding mask must not become an O(B*H*L*S) float tensor."""
-    from sdpa.backends.blocks import additive
+    from sdpa.tile import additive
 
     keep = (torch.arange(9) < torch.tensor([[5], [9]])).view(2, 1, 1, 9).expand(2, 3, 7, 9)
     bias = additive(keep, torch.float32)

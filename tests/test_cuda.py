@@ -238,7 +238,7 @@ def test_triton_statistics_match_the_oracle_on_cuda(gen, triton_kernels, dtype, 
         dense = None if causal else make_mask(gen, mask_kind, 2, 8, L, S)
         mask = _dev(dense)[0]
     w = sdpa.attention(*_dev(q, k, v), mask, causal=causal).weights
-    assert w._kernel_args() is not None  # the kernels serve these
+    assert sdpa.weights._kernel_args(w) is not None  # the kernels serve these
     _, p = oracle(q, k, v, dense, causal=causal)
     plogp = torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p))
     got = {"entropy": w.entropy(), "amax": w.amax(), "sum": w.sum(dim=-2)}
@@ -262,3 +262,94 @@ def test_triton_forward_matches_the_oracle_on_cuda(gen, triton_kernels, dtype):
     _check_out(out, ref_out, oracle(q, k, v, mask, scale=0.1, dtype=dtype)[0], dtype)
     torch.testing.assert_close(top.cpu().double(), p.amax(-1), atol=1e-5, rtol=0)
     assert math.isfinite(ent.sum().item()) and (lse.cpu()[p.sum(-1) == 0] == 0).all()
+
+
+# --- the single-pass statistics kernels, compiled with their pinned sm90 configs ------
+
+ONE_PASS_CUDA = [  # (dtype, E, mask kind, L, S): every mask kind, awkward sizes, GQA below
+    (torch.bfloat16, 128, "none", 300, 500),
+    (torch.bfloat16, 128, "causal", 333, 333),
+    (torch.bfloat16, 80, "dead_rows", 257, 190),
+    (torch.float32, 64, "float_inf", 130, 97),
+]
+
+
+def _one_pass_inputs(gen, dtype, E, kind, L, S):
+    q, k, v, _ = make_inputs(gen, B=2, Hq=8, Hkv=2, L=L, S=S, E=E, Ev=8, dtype=dtype)
+    causal = kind == "causal"
+    mask = None if kind in ("none", "causal") else make_mask(gen, kind, 2, 8, L, S)
+    return q, k, v, mask, causal
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,E,kind,L,S", ONE_PASS_CUDA, ids=[c[2] for c in ONE_PASS_CUDA])
+def test_one_pass_statistics_match_the_oracle_on_cuda(gen, triton_kernels, dtype, E, kind, L, S):
+    """entropy_and_max, received and max_logits compiled for the device, against the
+    float64 oracle, fed the LSE of our own fused call on the device."""
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k, v, mask, causal = _one_pass_inputs(gen, dtype, E, kind, L, S)
+    scale = 0.7 / math.sqrt(E)
+    lse = sdpa.attention(*_dev(q, k, v, mask), causal=causal, scale=scale).weights.lse
+    qd, kd, md = _dev(q, k, mask)
+    ent, top = entropy_and_max(qd, kd, lse, md, causal=causal, scale=scale)
+    sums = received(qd, kd, lse, md, causal=causal, scale=scale)
+    rows, heads = max_logits(qd, kd, md, causal=causal, scale=scale)
+    _, p = oracle(q, k, v, mask, causal=causal, scale=scale)
+    plogp = torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p))
+    s = (q.double() @ k.double().repeat_interleave(4, dim=1).mT) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
+    if mask is not None:
+        s = s + mask.double() if mask.is_floating_point() else s.masked_fill(~mask, -math.inf)
+    torch.testing.assert_close(ent.cpu().double(), -plogp.sum(-1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(top.cpu().double(), p.amax(-1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(sums.cpu().double(), p.sum(-2), atol=1e-4 * L, rtol=1e-4)
+    torch.testing.assert_close(rows.cpu().double(), s.amax(-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(heads.cpu().double(), s.amax(-1).amax(-1), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_one_pass_statistics_never_sync_the_host(gen, triton_kernels):
+    """No .item(), no data-dependent shape: the kernels and their glue run with the CUDA
+    sync debug mode set to error."""
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k, _, mask, _ = _one_pass_inputs(gen, torch.bfloat16, 80, "dead_rows", 257, 190)
+    qd, kd, md = _dev(q, k, mask)
+    lse = torch.zeros(2, 8, 257, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        entropy_and_max(qd, kd, lse, md, scale=0.1)
+        received(qd, kd, lse, md, scale=0.1)
+        max_logits(qd, kd, md, scale=0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["none", "causal"])
+def test_the_other_loop_form_matches_on_cuda(gen, triton_kernels, kind):
+    """The pinned configs pipeline the unmasked loop; the plain loop (what the bench
+    times beside it) gives the same statistics."""
+    from sdpa.kernels import configs
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.received import received
+
+    q, k, v, _, causal = _one_pass_inputs(gen, torch.bfloat16, 128, kind, 333, 333)
+    lse = sdpa.attention(*_dev(q, k, v), causal=causal, scale=0.1).weights.lse
+    qd, kd = _dev(q, k)
+    got = {}
+    for pipelined in (True, False):
+        with configs.use(configs.SM90["entropy"][0]._replace(pipelined=pipelined)):
+            ent, top = entropy_and_max(qd, kd, lse, causal=causal, scale=0.1)
+        with configs.use(configs.SM90["received"][0]._replace(pipelined=pipelined)):
+            sums = received(qd, kd, lse, causal=causal, scale=0.1)
+        got[pipelined] = (ent, top, sums)
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -219,10 +219,11 @@ def call(module, L=3, S=3):
 
 
 def test_layer_is_the_call_position_for_modules_without_layer_idx(llama):
-    ours, _ = llama  # capture checks the model; the calls below are made by hand
+    ours, _ = llama  # the model on sdpa; the calls below are made by hand, on a and b
     a, b = Attn(), Attn()
     layers = []
-    with sdpa_hf.capture(ours, stats="received", on_call=lambda n, w: layers.append(n)) as cap:
+    held = torch.nn.ModuleList([ours, a, b])  # a capture records its own modules' calls
+    with sdpa_hf.capture(held, stats="received", on_call=lambda n, w: layers.append(n)) as cap:
         for _ in range(2):  # two forward passes
             call(a), call(b)
     assert layers == [0, 1, 0, 1]
@@ -232,9 +233,10 @@ def test_layer_is_the_call_position_for_modules_without_layer_idx(llama):
 
 def test_statistics_refuse_two_modules_with_one_layer_index(llama):
     ours, _ = llama
+    a, b = Attn(0), Attn(0)
     with pytest.raises(sdpa.SdpaValueError, match="two attention modules claim layer 0"), \
-            sdpa_hf.capture(ours, stats="entropy"):  # fmt: skip
-        call(Attn(0)), call(Attn(0))
+            sdpa_hf.capture(torch.nn.ModuleList([ours, a, b]), stats="entropy"):  # fmt: skip
+        call(a), call(b)
 
 
 @pytest.mark.parametrize(

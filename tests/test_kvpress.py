@@ -8,6 +8,7 @@ a tiny Llama with random weights, built from its config (nothing is downloaded).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -238,12 +239,31 @@ def test_observed_attention_comes_from_one_fused_call(Hq, Hkv, L, S, mask, dtype
                for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))  # fmt: skip
     m = sdpa.masks.causal("top-left") if mask == "causal" else None
     _, w = sdpa.attention(q, k, v, m, causal=mask == "causal flag")
-    got = w._received_fused()
+    got = sdpa.weights._fused_received(w)
     assert got is not None and got.shape == (2, Hq, S) and got.dtype == w.dtype
-    torch.testing.assert_close(got, rows.key_sums(w._rows()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, rows.key_sums(w._every_row()), atol=1e-5, rtol=1e-5)
 
 
 def test_register_without_kvpress_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "kvpress", None)  # as if not installed
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'sdpa\[kvpress\]'"):
         sdpa_kvpress.register()
+
+
+@pytest.mark.parametrize(
+    "taken", ["eager", "sdpa", "flash_attention_2", "flex_attention", "paged|eager", "org/kernel"]
+)
+def test_register_refuses_names_that_are_not_ours(taken, monkeypatch):
+    """As sdpa.integrations.transformers.register: transformers' own implementations are
+    not replaced (nor wrapped by kvpress's patch in their place), and the name is checked
+    before kvpress is imported."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = dict(ALL_ATTENTION_FUNCTIONS.items())
+    said = re.escape(f"name={taken!r} is not sdpa's to register")
+    with pytest.raises(sdpa.SdpaValueError, match=rf"^{said}.*'lse_attention_lazy'"):
+        sdpa_kvpress.register(taken)
+    assert dict(ALL_ATTENTION_FUNCTIONS.items()) == before
+    monkeypatch.setitem(sys.modules, "kvpress", None)  # as if not installed: the name first
+    with pytest.raises(sdpa.SdpaValueError, match=said):
+        sdpa_kvpress.register(taken)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import sdpa
-from sdpa import listing, masks
-from sdpa.backends import blocks, select, select_fast, small
+from sdpa import listing, masks, tile
+from sdpa.backends import select, select_fast, small
 from sdpa.inputs import fast_normalize, normalize
 from sdpa.settings import override
 
@@ -120,7 +120,7 @@ def test_small_backend_gradients_match_the_oracle(gen, mask_kind):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     mask_leaf = mask.clone().requires_grad_() if mask_kind == "float" else mask
     out, w = sdpa.attention(*leaves, mask_leaf, backend="small")
-    assert w.full().requires_grad is False
+    assert w.full().requires_grad  # the kept weights are in the graph, as the listing's
     out.backward(grad)
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     ref_mask = mask.double().requires_grad_() if mask_kind == "float" else mask
@@ -169,18 +169,26 @@ def test_the_thresholds_are_decided_on_their_edges(gen):
             assert small.one_product(normalize(q, k, v)) is kept
 
 
-def test_kept_weights_are_handed_out_without_a_copy_and_dropped_when_changed(gen):
+def test_kept_weights_are_handed_out_as_the_callers_own_tensors(gen):
+    """full() and every index give fresh tensors: editing one changes nothing here, and
+    never the autograd graph that saved the weights (issue 25: out.backward() after
+    w.full().mul_(0.5) failed on an AsStrided tensor the user never made)."""
     q, k, v, _ = make_inputs(gen, L=5, S=6)
-    _, w = sdpa.attention(q, k, v)
+    q.requires_grad_()
+    out, w = sdpa.attention(q, k, v)
     full = w.full()
-    assert w.full().data_ptr() == full.data_ptr()  # no copy
-    ref_p = oracle(q, k, v)[1]
+    assert w.full().data_ptr() != full.data_ptr()  # a copy each time
+    ref_p = oracle(q.detach(), k, v)[1]
     full.mul_(3.0)  # the caller's change must not leak into later answers
     torch.testing.assert_close(w.full().double(), ref_p, atol=ATOL, rtol=0)
     torch.testing.assert_close(w.sum().double(), ref_p.sum(-2), atol=1e-4, rtol=0)
     row = w[0, 0, 1]
-    row.zero_()  # a view of the kept weights: noticed too
+    row.zero_()
     torch.testing.assert_close(w[0, 0].double(), ref_p[0, 0], atol=ATOL, rtol=0)
+    out.sum().backward()  # the graph's saved weights are untouched
+    q2 = q.detach().clone().requires_grad_()
+    oracle(q2, k, v, dtype=torch.float32)[0].sum().backward()
+    torch.testing.assert_close(q.grad, q2.grad, atol=1e-5, rtol=0)
 
 
 def test_under_inference_mode_the_weights_are_copies(gen):
@@ -279,22 +287,22 @@ def test_fast_normalize_leaves_everything_else_to_normalize(gen):
 
 def test_a_key_padding_mask_is_converted_once_and_never_stale(gen):
     q, k, v, mask = make_inputs(gen, Hq=4, Hkv=2, L=1, S=40, mask_kind="key_padding")
-    blocks._additive_cache.clear()
+    tile._additive_cache.clear()
     out1 = sdpa.attention(q, k, v, mask).output
-    assert len(blocks._additive_cache) == 1
-    (bias,) = [entry[2] for entry in blocks._additive_cache.values()]
+    assert len(tile._additive_cache) == 1
+    (bias,) = [entry[2] for entry in tile._additive_cache.values()]
     sdpa.attention(q, k, v, mask)
-    assert [entry[2] for entry in blocks._additive_cache.values()] == [bias]  # reused
+    assert [entry[2] for entry in tile._additive_cache.values()] == [bias]  # reused
     torch.testing.assert_close(out1.double(), oracle(q, k, v, mask)[0], atol=ATOL, rtol=0)
     mask[0, ..., : mask.shape[-1] // 2] = False  # changed in place: must not be reused
     mask[0, ..., -1] = True
     out2 = sdpa.attention(q, k, v, mask).output
     torch.testing.assert_close(out2.double(), oracle(q, k, v, mask)[0], atol=ATOL, rtol=0)
-    for _ in range(2 * blocks.ADDITIVE_CACHE_ENTRIES):  # bounded
+    for _ in range(2 * tile.ADDITIVE_CACHE_ENTRIES):  # bounded
         fresh = torch.rand(2, 1, 1, 40, generator=gen) < 0.8
         out = sdpa.attention(q, k, v, fresh).output
         torch.testing.assert_close(out.double(), oracle(q, k, v, fresh)[0], atol=ATOL, rtol=0)
-    assert len(blocks._additive_cache) == blocks.ADDITIVE_CACHE_ENTRIES
+    assert len(tile._additive_cache) == tile.ADDITIVE_CACHE_ENTRIES
 
 
 def test_seed_phrase_weights_are_the_listings(gen):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -195,6 +196,101 @@ def test_default_name_has_no_sdpa_and_the_old_name_stays(name):
     assert sdpa_hf._registered_as_ours("sdpa_lse")
     with pytest.raises(sdpa.SdpaValueError, match="without 'sdpa'"):
         sdpa_hf.register("my_sdpa")
+
+
+TRANSFORMERS_OWN = [
+    ("eager", "transformers' own attention implementations"),
+    ("sdpa", "without 'sdpa'"),
+    ("paged|sdpa", "without 'sdpa'"),
+    ("flash_attention_2", "transformers' own"),
+    ("flash_attention_3", "transformers' own"),
+    ("flash_attention_4", "transformers' own"),
+    ("flash_attention_7", "transformers' own"),  # any flash_attention_*, present or future
+    ("flex_attention", "transformers' own"),
+    ("paged|eager", "paged-attention forms"),
+    ("paged|lse_attention", "paged-attention forms"),
+    ("kernels-community/flash-attn", "kernels from the Hub"),
+    ("kernels-community/vllm-flash-attn3:main", "kernels from the Hub"),
+    ("", "it is empty"),
+]
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("taken,why", TRANSFORMERS_OWN)
+def test_register_refuses_names_that_are_not_ours(taken, why, lazy):
+    """register("eager") would replace transformers' eager attention for every model in
+    the process: refused, naming sdpa's names, with nothing registered."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    mappings = (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping)
+    before = [dict(m) for m in mappings]
+    said = re.escape(f"name={taken!r} is not sdpa's to register: ")
+    ours = re.escape("'lse_attention' (the default) or 'lse_attention_lazy'")
+    with pytest.raises(sdpa.SdpaValueError, match=rf"^{said}.*{re.escape(why)}.*{ours}"):
+        sdpa_hf.register(taken, lazy_weights=lazy)
+    assert before == list(mappings)
+
+
+def test_register_refuses_a_name_registered_to_another_function(monkeypatch):
+    from transformers import AttentionInterface
+
+    def theirs(module, query, key, value, attention_mask, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "their_attention", theirs)
+    with pytest.raises(sdpa.SdpaValueError, match=r"AttentionInterface has it for "
+                       r"test_transformers\..*theirs, which it would replace"):  # fmt: skip
+        sdpa_hf.register("their_attention")
+    assert AttentionInterface._global_mapping["their_attention"] is theirs
+
+
+def test_a_wrapper_of_ours_counts_as_ours(monkeypatch):
+    """A call recorder around sdpa's function (functools.wraps): capture takes the model,
+    and register may put sdpa's function back under the name (the zoo's recorder does)."""
+    import functools
+
+    from transformers import AttentionInterface, LlamaConfig, LlamaModel
+    from transformers.masking_utils import AttentionMaskInterface
+
+    calls = []
+
+    @functools.wraps(sdpa_hf.attention_forward)
+    def recorded(*args, **kwargs):
+        calls.append(1)
+        return sdpa_hf.attention_forward(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "lse_attention_recorded", recorded)
+    masks = AttentionMaskInterface._global_mapping
+    monkeypatch.setitem(masks, "lse_attention_recorded", sdpa_hf.mask_function)
+    model = tiny(LlamaConfig, LlamaModel, "lse_attention_recorded")
+    with sdpa_hf.capture(model) as cap, torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert len(calls) == len(cap.weights) == 2
+    assert sdpa_hf.register("lse_attention_recorded") == "lse_attention_recorded"
+
+
+def test_register_takes_a_new_name_and_ours_again():
+    from transformers import AttentionInterface
+
+    try:
+        assert sdpa_hf.register("lse_attention_mine") == "lse_attention_mine"
+        assert sdpa_hf.register("lse_attention_mine", lazy_weights=True) == "lse_attention_mine"
+        assert AttentionInterface._global_mapping["lse_attention_mine"] is (
+            sdpa_hf.lazy_attention_forward
+        )
+        assert sdpa_hf.register() == "lse_attention"  # ours, registered again: fine
+    finally:
+        AttentionInterface._global_mapping.pop("lse_attention_mine", None)
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface._global_mapping.pop("lse_attention_mine", None)
+
+
+@pytest.mark.parametrize("bad", [3, b"eager", ["lse_attention"]])
+def test_register_refuses_a_name_that_is_not_a_string(bad):
+    with pytest.raises(sdpa.SdpaTypeError, match=r"name must be a string or None, got "):
+        sdpa_hf.register(bad)
 
 
 @pytest.mark.parametrize("module_causal", [True, False, None])

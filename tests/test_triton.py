@@ -178,7 +178,7 @@ def test_kernels_refuse_heads_that_do_not_divide(gen):
     q, k = randn(gen, 1, 3, 4, 16), randn(gen, 1, 2, 4, 16)
     with pytest.raises(ValueError, match=r"key heads must divide query heads"):
         forward_stats(q, k, None, scale=1.0)
-    with pytest.raises(ValueError, match=r"lse must be \(B, Hq, L\) = \(1, 3, 4\)"):
+    with pytest.raises(ValueError, match=r"lse must be a floating \(B, Hq, L\) = \(1, 3, 4\)"):
         received(q, k[:, :1], torch.zeros(1, 3, 5), scale=1.0)
 
 
@@ -189,7 +189,8 @@ def test_kernels_refuse_heads_that_do_not_divide(gen):
 def kernel_calls(monkeypatch):
     """AttentionWeights uses the kernels on CPU; returns the names of the kernels run."""
     import sdpa.kernels.received as received_mod
-    import sdpa.kernels.stats as stats_mod
+    import sdpa.kernels.entropy as entropy_mod
+    import sdpa.kernels.logits as logits_mod
 
     calls = []
 
@@ -202,7 +203,8 @@ def kernel_calls(monkeypatch):
 
         monkeypatch.setattr(module, name, wrapped)
 
-    spy(stats_mod, "forward_stats")
+    spy(entropy_mod, "entropy_and_max")
+    spy(logits_mod, "max_logits")
     spy(received_mod, "received")
     with sdpa.settings.override(kernel_devices={"cpu"}):
         yield calls
@@ -230,10 +232,13 @@ def test_weights_statistics_on_the_kernels_match_the_chunked_engine(gen, kernel_
     if isinstance(mask, str):
         mask = _mask(gen, "bool_heads", 2, 4, L, 20)
     w = sdpa.attention(q, k, v, mask, causal=causal).weights
-    got = {"entropy": w.entropy(), "amax": w.amax(), "sum": w.sum(dim=-2)}
-    assert kernel_calls == ["forward_stats", "forward_stats", "received"]
+    with torch.no_grad():
+        got = {"entropy": w.entropy(), "amax": w.amax(), "sum": w.sum(dim=-2),
+               "max_logits": w.max_logits().row}  # fmt: skip
+    assert kernel_calls == ["entropy_and_max", "entropy_and_max", "received", "max_logits"]
     for what, fn in [("entropy", lambda w: w.entropy()), ("amax", lambda w: w.amax()),
-                     ("sum", lambda w: w.sum(dim=-2))]:  # fmt: skip
+                     ("sum", lambda w: w.sum(dim=-2)),
+                     ("max_logits", lambda w: w.max_logits().row)]:  # fmt: skip
         ref = _chunked(w, fn)
         assert got[what].shape == ref.shape and got[what].dtype == ref.dtype == torch.float32
         torch.testing.assert_close(got[what], ref, atol=5e-5, rtol=1e-5)
@@ -254,3 +259,344 @@ def test_weights_fall_back_where_the_kernels_cannot_serve(gen, kernel_calls):
     w64 = sdpa.attention(q.double(), k.double(), v.double()).weights
     torch.testing.assert_close(w64.amax(), oracle(q, k, v)[1].amax(-1), atol=1e-12, rtol=0)
     assert kernel_calls == []
+
+
+# --- single-pass statistics: entropy_and_max, received, max_logits --------------------
+
+
+def _mask_more(gen, kind, B, H, L, S):
+    """More mask layouts for the single-pass kernels, each with a row that sees no key
+    where the layout allows one: stride-0 broadcasts and a non-contiguous view."""
+    if kind == "bool_1h_broadcast":  # (1, 1, L, S) seen as (B, H, L, S): strides 0, 0
+        keep = torch.rand(1, 1, L, S, generator=gen) < 0.5
+        keep[..., L // 2, :] = False
+        return keep
+    if kind == "float_inf_heads":  # (B, H, L, S) additive with -inf, a dead row per head
+        bias = torch.randn(B, H, L, S, generator=gen)
+        bias = bias.masked_fill(torch.rand(B, H, L, S, generator=gen) < 0.3, -torch.inf)
+        bias[:, :, L - 1] = -torch.inf
+        return bias
+    if kind == "float_transposed":  # (L, S) view of an (S, L) tensor: strides (1, L)
+        return torch.randn(S, L, generator=gen).mT
+    return _mask(gen, kind, B, H, L, S)
+
+
+# (dtype, B, Hq, Hkv, L, S, E, causal, mask kind, scale): sizes that are not multiples
+# of the tiles (16 here, the sm90 ones below), 1, head sizes 40/59/80/128, GQA, every
+# mask layout, causal top-left with L = S, L > S and L < S, non-default, negative, 0
+ONE_PASS = [
+    (torch.float32, 2, 4, 2, 37, 53, 40, False, "bool_heads", 0.3),
+    (torch.float32, 1, 2, 2, 50, 50, 59, True, "none", None),
+    (torch.bfloat16, 2, 2, 1, 33, 33, 80, True, "key_padding", None),
+    (torch.float16, 1, 2, 1, 64, 17, 16, False, "float_2d", 1.7),
+    (torch.bfloat16, 1, 3, 1, 45, 70, 128, False, "float_inf_heads", -0.2),
+    (torch.float32, 2, 2, 1, 41, 29, 32, False, "bool_1h_broadcast", 0.5),
+    (torch.bfloat16, 1, 2, 2, 70, 45, 40, True, "float_transposed", None),
+    (torch.float32, 1, 2, 1, 20, 57, 32, True, "none", 0.0),
+    (torch.float32, 1, 2, 1, 1, 40, 32, False, "bool_heads", None),
+    (torch.float32, 1, 2, 2, 40, 1, 32, True, "none", None),
+    (torch.float32, 1, 1, 1, 1, 1, 16, False, "none", None),
+]
+ONE_PASS_IDS = [
+    "f32-gqa-bool-e40", "f32-causal-e59", "bf16-causal-padding-e80", "f16-float2d",
+    "bf16-floatinf-e128-negscale", "f32-broadcast-bool", "bf16-causal-l>s-transposed",
+    "f32-causal-l<s-scale0", "f32-l1", "f32-s1-causal", "f32-1x1",
+]  # fmt: skip
+
+
+def _one_pass_case(gen, case):
+    dtype, B, Hq, Hkv, L, S, E, causal, kind, scale = case
+    q = randn(gen, B, Hq, L, E, dtype=dtype)
+    k = randn(gen, B, Hkv, S, E, dtype=dtype)
+    v = randn(gen, B, Hkv, S, 8, dtype=dtype)
+    mask = _mask_more(gen, kind, B, Hq, L, S)
+    return q, k, v, mask, causal, 1 / math.sqrt(E) if scale is None else scale
+
+
+@pytest.mark.parametrize("case", ONE_PASS, ids=ONE_PASS_IDS)
+def test_entropy_and_max_match_the_oracle(gen, case):
+    from sdpa.kernels.entropy import entropy_and_max
+
+    q, k, v, mask, causal, scale = _one_pass_case(gen, case)
+    _, ref_lse, ref_ent, ref_top, _ = _oracle_stats(q, k, v, mask, causal, scale)
+    ent, top = entropy_and_max(q, k, ref_lse.float(), mask, causal=causal, scale=scale)
+    assert ent.shape == top.shape == ref_ent.shape and ent.dtype == top.dtype == torch.float32
+    # statistics depend on q and k only: float32 accuracy whatever the input dtype
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=0)
+    torch.testing.assert_close(top.double(), ref_top, atol=2e-6, rtol=0)
+    dead = ref_top == 0  # rows with no key: 0, exactly
+    assert (ent[dead] == 0).all() and (top[dead] == 0).all()
+    assert dead.any() == (case[8] not in ("none", "float_transposed"))
+
+
+@pytest.mark.parametrize("case", ONE_PASS, ids=ONE_PASS_IDS)
+def test_one_pass_received_matches_the_oracle(gen, case):
+    from sdpa.kernels.received import received
+
+    q, k, v, mask, causal, scale = _one_pass_case(gen, case)
+    _, ref_lse, _, _, ref_sum = _oracle_stats(q, k, v, mask, causal, scale)
+    got = received(q, k, ref_lse.float(), mask, causal=causal, scale=scale)
+    assert got.shape == ref_sum.shape and got.dtype == torch.float32
+    L = q.shape[2]
+    torch.testing.assert_close(got.double(), ref_sum, atol=1e-5 * max(1, L), rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ONE_PASS, ids=ONE_PASS_IDS)
+def test_max_logits_match_the_oracle(gen, case):
+    from sdpa.kernels.logits import max_logits
+
+    q, k, _, mask, causal, scale = _one_pass_case(gen, case)
+    ref = _scores(q, k, mask, causal, scale).amax(-1)  # (B, Hq, L); -inf: no key
+    rows, heads = max_logits(q, k, mask, causal=causal, scale=scale)
+    assert rows.shape == ref.shape and heads.shape == ref.shape[:2]
+    assert rows.dtype == heads.dtype == torch.float32
+    assert torch.equal(rows == -math.inf, ref == -math.inf)  # rows that see no key
+    torch.testing.assert_close(rows.double(), ref, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(heads.double(), ref.amax(-1), atol=1e-5, rtol=1e-6)
+
+
+PIPELINED_CASES = [ONE_PASS[i] for i in (0, 1, 2, 6, 7, 9)]  # dense, causal, L > S, S = 1
+
+
+@pytest.mark.parametrize("case", PIPELINED_CASES, ids=[ONE_PASS_IDS[i] for i in (0, 1, 2, 6, 7, 9)])
+def test_the_pipelined_loops_give_the_same_statistics(gen, case):
+    """Config.pipelined: the unmasked loop issues the next tile's product before this
+    tile's exponentials (a prologue, a shifted loop, an epilogue; none where no block is
+    unmasked); entropy, max and received as the oracle's."""
+    from sdpa.kernels import configs
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.received import received
+
+    q, k, v, mask, causal, scale = _one_pass_case(gen, case)
+    _, lse, ref_ent, ref_top, ref_sum = _oracle_stats(q, k, v, mask, causal, scale)
+    with configs.use(configs.Config(16, 16, 4, 1, pipelined=True)):
+        ent, top = entropy_and_max(q, k, lse.float(), mask, causal=causal, scale=scale)
+        sums = received(q, k, lse.float(), mask, causal=causal, scale=scale)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=0)
+    torch.testing.assert_close(top.double(), ref_top, atol=2e-6, rtol=0)
+    torch.testing.assert_close(sums.double(), ref_sum, atol=1e-5 * q.shape[2], rtol=1e-5)
+
+
+SM90_SIZES = [(False, "none", 200, 333), (True, "none", 300, 300), (False, "bool_heads", 130, 70)]
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+@pytest.mark.parametrize("causal,kind,L,S", SM90_SIZES, ids=["dense", "causal", "bool"])
+def test_the_sm90_tiles_under_the_interpreter(gen, causal, kind, L, S, pipelined):
+    """The pinned GPU configs (128-row tiles) run the same loops: full blocks, the
+    diagonal and the tails, at sizes that are not multiples of them."""
+    from sdpa.kernels import configs
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k, v, _ = _inputs(gen, torch.bfloat16, 1, 2, 1, L, S, 128, 8, "none")
+    mask = _mask(gen, kind, 1, 2, L, S)
+    _, lse, ref_ent, ref_top, ref_sum = _oracle_stats(q, k, v, mask, causal, 0.1)
+    lse = lse.float()
+    ref_max = _scores(q, k, mask, causal, 0.1).amax(-1)
+    entropy_cfg, received_cfg = configs.SM90["entropy"][0], configs.SM90["received"][0]
+    with configs.use(entropy_cfg._replace(pipelined=pipelined)):
+        ent, top = entropy_and_max(q, k, lse, mask, causal=causal, scale=0.1)
+    with configs.use(received_cfg._replace(pipelined=pipelined)):
+        got_sum = received(q, k, lse, mask, causal=causal, scale=0.1)
+    with configs.use(configs.SM90["max_logits"][0]):
+        rows, _ = max_logits(q, k, mask, causal=causal, scale=0.1)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=0)
+    torch.testing.assert_close(top.double(), ref_top, atol=2e-6, rtol=0)
+    torch.testing.assert_close(got_sum.double(), ref_sum, atol=1e-5 * L, rtol=1e-5)
+    torch.testing.assert_close(rows.double(), ref_max, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "kind,causal", [("none", False), ("none", True), ("bool_heads", False), ("float_2d", True)]
+)
+def test_one_pass_kernels_match_the_chunked_engine(gen, dtype, kind, causal):
+    """Fed the LSE of sdpa.attention's own call, the kernels give what the chunked
+    engine reads from AttentionWeights (entropy, amax, sum over the queries), up to
+    that LSE's own error (torch's CPU kernel's bf16 LSE is off by ~5e-5: the chunked
+    engine's p = exp(s - lse) carries it, the entropy kernel normalises it away)."""
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.received import received
+
+    L, S = (45, 45) if causal else (37, 61)
+    q, k, v, mask = _inputs(gen, dtype, 2, 4, 2, L, S, 40, 16, kind)
+    w = sdpa.attention(q, k, v, mask, causal=causal, scale=0.35).weights
+    ref = _chunked(w, lambda w: (w.entropy(), w.amax(), w.sum(dim=-2)))
+    slack = (w.lse.double() - _oracle_stats(q, k, v, mask, causal, 0.35)[1]).abs().max().item()
+    mask4 = _mask4(mask)
+    ent, top = entropy_and_max(q, k, w.lse, mask4, causal=causal, scale=0.35)
+    got_sum = received(q, k, w.lse, mask4, causal=causal, scale=0.35)
+    torch.testing.assert_close(ent, ref[0], atol=5e-5 + slack, rtol=1e-5)
+    torch.testing.assert_close(top, ref[1], atol=5e-6 + slack, rtol=1e-5)
+    torch.testing.assert_close(got_sum, ref[2], atol=(5e-5 + 2 * slack) * L, rtol=1e-5)
+
+
+def test_entropy_under_a_huge_bias_is_the_listings(gen):
+    """A row under a -1e9 bias: the fused LSE has lost its digits, yet entropy and max
+    come out as the chunked engine's (the float32 listing's: uniform weights), since
+    the kernel normalises by its own sum."""
+    from sdpa.kernels.entropy import entropy_and_max
+
+    q, k, v, _ = _inputs(gen, torch.float32, 1, 2, 1, 6, 40, 16, 16, "none")
+    bias = torch.randn(6, 40, generator=gen)
+    bias[2] = -1e9
+    bias[4, :20] = -1e9  # half the keys swallowed: the other half keep their weights
+    w = sdpa.attention(q, k, v, bias).weights
+    ref_ent, ref_top = _chunked(w, lambda w: (w.entropy(), w.amax()))
+    ent, top = entropy_and_max(q, k, w.lse, bias[None, None], scale=0.25)
+    torch.testing.assert_close(ent, ref_ent, atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(top, ref_top, atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(ent[..., 2], torch.full((1, 2), math.log(40)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the NaN tiles
+def test_nan_and_inf_scores_make_the_listings_nan(gen):
+    """A NaN or +inf score where the row sees the key: the listing's softmax row is NaN,
+    so entropy and max of that row are NaN, every key of that head receives NaN, and
+    the max logit is NaN (NaN) or +inf (+inf). A NaN score a bool mask hides is never
+    seen (the listing's masked_fill replaces it); one under a -inf bias is NaN, as
+    NaN + -inf is in the listing."""
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    B, H, L, S = 1, 4, 20, 37
+    q, k, v, _ = _inputs(gen, torch.float32, B, H, 1, L, S, 32, 8, "none")
+    q[0, 0, 3, 5] = math.nan  # head 0, row 3: every score NaN
+    q[0, 3, 7, 0] = math.nan  # head 3, row 7: NaN scores under a -inf bias row
+    bias = torch.randn(B, H, L, S, generator=gen)
+    bias[0, 1, 5, 2] = math.inf  # head 1, row 5: +inf
+    bias[0, 1, 9, 30] = math.nan  # head 1, row 9: NaN in the mask
+    bias[0, 3, 7] = -math.inf
+    lse = _oracle_stats(q, k, v, bias, False, 0.2)[1].float().nan_to_num(0.0)
+    ent, top = entropy_and_max(q, k, lse, bias, scale=0.2)
+    sums = received(q, k, lse, bias, scale=0.2)
+    rows, heads = max_logits(q, k, bias, scale=0.2)
+    nan_rows = {(0, 3), (1, 5), (1, 9), (3, 7)}
+    for h in range(H):
+        for i in range(L):
+            assert ent[0, h, i].isnan() == ((h, i) in nan_rows), (h, i)
+            assert top[0, h, i].isnan() == ((h, i) in nan_rows), (h, i)
+    assert sums[0, [0, 1, 3]].isnan().all() and sums[0, 2].isfinite().all()
+    assert rows[0, 0, 3].isnan() and rows[0, 1, 9].isnan() and rows[0, 3, 7].isnan()
+    assert rows[0, 1, 5] == math.inf
+    assert heads[0, [0, 1, 3]].isnan().all() and heads[0, 2].isfinite()
+    torch.testing.assert_close(rows[0, 2].double(), _scores(q, k, bias, False, 0.2)[0, 2].amax(-1),
+                               atol=1e-5, rtol=1e-6)  # fmt: skip
+    # a bool mask hides row 3 of head 0 and row 7 of head 3: dead rows, nothing NaN
+    keep = torch.rand(B, H, L, S, generator=gen) < 0.7
+    keep[0, 0, 3] = keep[0, 3, 7] = False
+    _, lse, ref_ent, ref_top, ref_sum = _oracle_stats(q, k, v, keep, False, 0.2)
+    ent, top = entropy_and_max(q, k, lse.float(), keep, scale=0.2)
+    sums = received(q, k, lse.float(), keep, scale=0.2)
+    rows, heads = max_logits(q, k, keep, scale=0.2)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=0)
+    torch.testing.assert_close(top.double(), ref_top, atol=2e-6, rtol=0)
+    torch.testing.assert_close(sums.double(), ref_sum, atol=1e-5 * L, rtol=1e-5)
+    assert rows[0, 0, 3] == rows[0, 3, 7] == -math.inf and heads.isfinite().all()
+
+
+def test_scale_zero_gives_uniform_weights(gen):
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    L = S = 23
+    q, k, _, _ = _inputs(gen, torch.bfloat16, 1, 2, 1, L, S, 40, 8, "none")
+    seen = torch.arange(1, L + 1, dtype=torch.float32)  # causal: row i sees i + 1 keys
+    lse = seen.log().expand(1, 2, L)
+    ent, top = entropy_and_max(q, k, lse, causal=True, scale=0.0)
+    torch.testing.assert_close(ent[0, 1], seen.log(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(top[0, 1], 1 / seen, atol=1e-6, rtol=0)
+    sums = received(q, k, lse, causal=True, scale=0.0)  # key j: sum over i >= j of 1/(i+1)
+    want = (1 / seen).flip(0).cumsum(0).flip(0)
+    torch.testing.assert_close(sums[0, 0], want, atol=1e-5, rtol=0)
+    rows, heads = max_logits(q, k, causal=True, scale=0.0)
+    assert (rows == 0).all() and (heads == 0).all()
+
+
+def test_one_pass_kernels_on_empty_inputs(gen):
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k = randn(gen, 2, 2, 5, 16), randn(gen, 2, 2, 0, 16)  # no key at all
+    ent, top = entropy_and_max(q, k, torch.zeros(2, 2, 5), scale=0.5)
+    assert ent.shape == (2, 2, 5) and (ent == 0).all() and (top == 0).all()
+    rows, heads = max_logits(q, k, scale=0.5)
+    assert (rows == -math.inf).all() and heads.shape == (2, 2) and (heads == -math.inf).all()
+    assert received(q, k, torch.zeros(2, 2, 5), scale=0.5).shape == (2, 2, 0)
+    q0, k0 = randn(gen, 2, 2, 0, 16), randn(gen, 2, 2, 4, 16)  # no query
+    assert (received(q0, k0, torch.zeros(2, 2, 0), scale=0.5) == 0).all()
+    assert max_logits(q0, k0, scale=0.5)[1].shape == (2, 2)
+
+
+def test_one_pass_kernels_refuse_what_they_cannot_honour(gen):
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k, lse = randn(gen, 1, 4, 6, 16), randn(gen, 1, 2, 9, 16), torch.zeros(1, 4, 6)
+    with pytest.raises(ValueError, match=r"entropy_and_max: k must be \(B, Hkv, S, E\)"):
+        entropy_and_max(q, randn(gen, 1, 3, 9, 16), lse, scale=1.0)
+    with pytest.raises(ValueError, match=r"received: lse must be a floating \(B, Hq, L\)"):
+        received(q, k, torch.zeros(1, 4, 7), scale=1.0)
+    with pytest.raises(TypeError, match=r"max_logits: mask must be bool .* got torch.int64"):
+        max_logits(q, k, torch.ones(6, 9, dtype=torch.int64), scale=1.0)
+    with pytest.raises(ValueError, match=r"mask \(6, 8\) does not broadcast to"):
+        max_logits(q, k, torch.ones(6, 8, dtype=torch.bool), scale=1.0)
+    with pytest.raises(TypeError, match=r"scale must be a Python float"):
+        entropy_and_max(q, k, lse, scale=torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"cannot run these inputs: dtype torch.float64"):
+        max_logits(q.double(), k.double(), scale=1.0)
+    with pytest.raises(ValueError, match=r"q must be a 4-D tensor"):
+        received(q[0], k, lse, scale=1.0)
+    with pytest.raises(TypeError, match=r"q and k must share dtype"):
+        max_logits(q, k.to(torch.bfloat16), scale=1.0)
+
+
+def test_more_heads_than_one_grid_takes_run_in_several_launches(gen, monkeypatch):
+    """B x H programs past CUDA's 65,535 on a grid's second axis: one launch per slice,
+    each from its first (batch, head). With the limit at 3, 2 x 4 heads take 3 launches."""
+    from sdpa.kernels import launch
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k, v, mask = _inputs(gen, torch.float32, 2, 4, 2, 21, 19, 16, 8, "bool_heads")
+    _, lse, ref_ent, ref_top, ref_sum = _oracle_stats(q, k, v, mask, False, 0.3)
+    ref_max = _scores(q, k, mask, False, 0.3).amax(-1)
+    monkeypatch.setattr(launch, "MAX_GRID_Y", 3)
+    assert launch.head_blocks(8) == [(0, 3), (3, 3), (6, 2)]
+    ent, top = entropy_and_max(q, k, lse.float(), mask, scale=0.3)
+    sums = received(q, k, lse.float(), mask, scale=0.3)
+    rows, _ = max_logits(q, k, mask, scale=0.3)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=0)
+    torch.testing.assert_close(top.double(), ref_top, atol=2e-6, rtol=0)
+    torch.testing.assert_close(sums.double(), ref_sum, atol=1e-5 * 21, rtol=1e-5)
+    torch.testing.assert_close(rows.double(), ref_max, atol=1e-5, rtol=1e-6)
+
+
+def test_one_pass_kernels_refuse_inputs_that_require_grad(gen, monkeypatch):
+    """They have no backward: a result that would be silently detached is refused, and
+    under no_grad they run."""
+    from sdpa.kernels import launch
+    from sdpa.kernels.entropy import entropy_and_max
+    from sdpa.kernels.logits import max_logits
+    from sdpa.kernels.received import received
+
+    q, k = randn(gen, 1, 2, 5, 16).requires_grad_(), randn(gen, 1, 2, 7, 16)
+    lse = torch.zeros(1, 2, 5)
+    for call in (lambda: entropy_and_max(q, k, lse, scale=0.5),
+                 lambda: received(q, k, lse, scale=0.5),
+                 lambda: max_logits(q, k, scale=0.5)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"has no backward, and an input requires grad"):
+            call()
+        with torch.no_grad():
+            call()
+    # CPU tensors outside the interpreter: refused, naming what would work
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match=r"CPU tensors run only under Triton's interpreter"):
+        max_logits(q.detach(), k, scale=0.5)

@@ -370,3 +370,157 @@ def test_a_taken_port_is_refused(bert, capsys):
         port = taken.getsockname()[1]
         assert cli.serve(bert[0], port, open_browser=False) == 2
     assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def model_never_runs(monkeypatch):
+    """Make any model run in `sdpa view` fail the test: what is checked must come first."""
+
+    def ran(args):
+        raise AssertionError("the model ran before the arguments were checked")
+
+    monkeypatch.setattr(cli, "_session", ran)
+
+
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder this process cannot create files in (root ignores the mode bits: then a
+    read-only system folder), or skip."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o500)
+    for candidate in (folder, Path("/sys"), Path("/proc")):
+        try:
+            (candidate / "probe.html").open("xb").close()
+        except OSError:
+            return candidate
+        (candidate / "probe.html").unlink()
+    pytest.skip("no unwritable folder here (root, and /sys and /proc are writable)")
+
+
+@pytest.mark.parametrize("where", ["folder", "no parent", "parent is a file", "unwritable"])
+def test_html_is_checked_before_the_model_runs(where, tmp_path, monkeypatch, capsys):
+    model_never_runs(monkeypatch)
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "out.html").mkdir()
+    path, message = {
+        "folder": (tmp_path / "out.html", "is a folder: name a file in it"),
+        "no parent": (tmp_path / "missing" / "out.html", "does not exist"),
+        "parent is a file": (tmp_path / "notes.txt" / "out.html", "does not exist"),
+        "unwritable": (None, "cannot write there"),
+    }[where]
+    if path is None:
+        path = unwritable_folder(tmp_path) / "out.html"
+    args = parse("hi", "--html", str(path))
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sdpa view: error: --html"), err
+    assert message in err and str(path) in err
+    assert not path.exists() or path.is_dir()  # nothing left behind
+
+
+def test_html_checks_leave_an_existing_file_alone(tmp_path, monkeypatch):
+    path = tmp_path / "old.html"
+    path.write_text("previous export")
+    assert cli._html_problem(str(path)) is None
+    assert path.read_text() == "previous export"
+    assert cli._html_problem(str(tmp_path / "new.html")) is None
+    assert not (tmp_path / "new.html").exists()
+
+
+def test_a_taken_port_is_refused_before_the_model_runs(monkeypatch, capsys):
+    import socket
+
+    model_never_runs(monkeypatch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = parse("hi", "--port", str(port), "--no-open")
+        assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert err == f"sdpa view: error: --port {port}: cannot listen on 127.0.0.1:{port}: " \
+                  "Address already in use\n"  # fmt: skip
+
+
+def test_the_port_is_held_while_the_model_runs(monkeypatch, capsys):
+    import errno
+    import socket
+
+    with socket.socket() as probe:  # a port free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    seen = []
+
+    def model_run(args):
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        seen.append(taken.value.errno)
+        raise ViewError("the model failed")
+
+    monkeypatch.setattr(cli, "_session", model_run)
+    args = parse("hi", "--port", str(port), "--no-open")
+    assert args.run(args) == 2
+    assert seen == [errno.EADDRINUSE]  # bound before the model ran, and held
+    assert capsys.readouterr().err == "sdpa view: error: the model failed\n"
+    with socket.socket() as again:  # released on the way out
+        again.bind(("127.0.0.1", port))
+
+
+def broken_model_folder(path: Path, kind: str) -> Path:
+    """MiniLM's config and tokenizer, with model files that cannot be loaded."""
+    import pickle
+    import shutil
+
+    source = Path(minilm.model_path())
+    path.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):  # fmt: skip
+        shutil.copy(source / name, path / name)
+    weights = (source / "model.safetensors").read_bytes()
+    if kind == "pickle model.safetensors":
+        (path / "model.safetensors").write_bytes(pickle.dumps({"weight": [1.0, 2.0]}))
+    elif kind == "corrupt header":
+        (path / "model.safetensors").write_bytes(struct_header(b'{"a": garbage}') + b"x" * 64)
+    elif kind == "truncated":
+        (path / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    elif kind == "pickle pytorch_model.bin":
+        (path / "pytorch_model.bin").write_bytes(pickle.dumps(RunsCode(), protocol=2))
+    elif kind == "broken tokenizer.json":
+        (path / "model.safetensors").write_bytes(weights)
+        (path / "tokenizer.json").write_text("{not json")
+    else:
+        assert kind == "no weights"
+    return path
+
+
+def struct_header(header: bytes) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(header)) + header
+
+
+class RunsCode:
+    """A pickle that would run code on load (torch's weights_only loader refuses it)."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize(
+    "kind,what,error",
+    [
+        ("pickle model.safetensors", "model", "SafetensorError"),
+        ("corrupt header", "model", "SafetensorError"),
+        ("truncated", "model", "SafetensorError"),
+        ("pickle pytorch_model.bin", "model", "UnpicklingError"),
+        ("no weights", "model", "OSError: Error no file named model.safetensors"),
+        ("broken tokenizer.json", "tokenizer", "JSONDecodeError"),
+    ],
+)
+def test_unloadable_model_files_are_one_line_exit_2(kind, what, error, tmp_path, capsys):
+    folder = broken_model_folder(tmp_path / "broken", kind)
+    args = parse("How are you?", "--model", str(folder), "--no-open")
+    assert args.run(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:-1] == [f"running {folder} once..."], lines
+    want = f"sdpa view: error: --model {str(folder)!r}: cannot load its {what}: "
+    assert lines[-1].startswith(want) and error in lines[-1], lines[-1]

@@ -45,11 +45,17 @@ def test_rows_sum_to_one_or_zero(gen):
     assert torch.equal(sums[dead], torch.zeros_like(sums[dead]))
 
 
-def test_weights_are_detached(gen):
+def test_weights_carry_their_gradient_only_where_asked(gen):
+    """As the listing's p_attn: inside the graph when q requires grad, plain tensors
+    under no_grad or when nothing requires grad (tests/test_grads.py checks the values)."""
     q, k, v, _ = make_inputs(gen)
+    out, w = sdpa.attention(q, k, v)
+    assert not out.requires_grad and not w.full().requires_grad
     q.requires_grad_(True)
     out, w = sdpa.attention(q, k, v)
-    assert out.requires_grad and not w.full().requires_grad
+    assert out.requires_grad and w.full().requires_grad and w.entropy().requires_grad
+    with torch.no_grad():
+        assert not w.full().requires_grad and not w.sum().requires_grad
 
 
 @pytest.mark.parametrize("which", ["query", "key", "mask"])
@@ -370,9 +376,9 @@ def test_statistics_take_the_chunked_path_in_tiles(gen):
     from sdpa import rows
 
     q, k, v, mask = make_inputs(gen, Hq=4, Hkv=2, L=50, S=70, mask_kind="float")
-    r = sdpa.attention(q, k, v, mask).weights._rows()
+    r = sdpa.attention(q, k, v, mask).weights._every_row()
     budget = 7 * 70 * 4  # 7 rows of one head
-    assert len(list(r.tiles(budget))) == 2 * 4 * 8
+    assert len(list(rows.tiles(r, budget))) == 2 * 4 * 8
     ref_p = oracle(q, k, v, mask)[1]
     ref_sum, _, ref_entropy, ref_top = dense_stats(ref_p, 4)
     with sdpa.settings.override(chunk_bytes=budget):
@@ -552,11 +558,11 @@ def test_received_attention_comes_from_one_swapped_fused_call(gen, mask_kind):
         "decode": (keep, False),
     }[mask_kind]
     w = sdpa.attention(q, k, k, mask, causal=causal).weights
-    fused = w._received_fused()
+    fused = sdpa.weights._fused_received(w)
     assert fused is not None
     dense = masks.causal("top-left").materialize(L, S) if mask_kind == "top-left" else mask
     want = oracle(q, k, k, dense, causal=causal)[1].sum(-2)
     torch.testing.assert_close(fused.double(), want, atol=1e-6, rtol=2e-6)
-    torch.testing.assert_close(fused, rows.key_sums(w._rows()), atol=1e-6, rtol=2e-6)
+    torch.testing.assert_close(fused, rows.key_sums(w._every_row()), atol=1e-6, rtol=2e-6)
     if mask_kind == "padding":
         assert torch.all(fused[1, :, : S // 2] == 0)

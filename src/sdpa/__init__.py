@@ -10,13 +10,21 @@ from sdpa.errors import (
     StaleWeightsError,
     WeightsTooLargeError,
 )
-from sdpa.functional import AttentionResult, attention, scaled_dot_product_attention
+from sdpa.functional import (
+    AttentionResult,
+    Explanation,
+    attention,
+    explain,
+    frozen,
+    scaled_dot_product_attention,
+)
 from sdpa.nn import MultiHeadAttention, PositionalEncoding, SpatialSelfAttention
 from sdpa.weights import AttentionWeights
 
 __all__ = [
     "AttentionResult",
     "AttentionWeights",
+    "Explanation",
     "MultiHeadAttention",
     "NotSupportedError",
     "PositionalEncoding",
@@ -26,6 +34,8 @@ __all__ = [
     "StaleWeightsError",
     "WeightsTooLargeError",
     "attention",
+    "explain",
+    "frozen",
     "masks",
     "scaled_dot_product_attention",
     "settings",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
-from sdpa.backends import BACKENDS, select, select_fast
+from sdpa.backends import BACKENDS, PRIORITY, Backend, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
@@ -28,27 +31,83 @@ def fused_runner(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     return BACKENDS["fused"].forward(inputs)
 
 
+_FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("sdpa_frozen", default=False)
+# How many sdpa.frozen() blocks are open, in any thread: a plain int read on every call
+# (torch.compile guards on it); only when it is not 0 is the ContextVar read.
+_frozen_blocks = 0
+
+
+@contextlib.contextmanager
+def frozen() -> Iterator[None]:
+    """Within the block, every sdpa attention call holds its pattern constant in the
+    backward: gradients flow to the values and through the output only, and q, k (and a
+    float mask or sinks) get none from the call, as attribution methods that freeze
+    attention need (circuit-tracer's frozen patterns). It runs at the fused kernel's
+    cost (the call is attention(q.detach(), k.detach(), v)). Every model's calls in the
+    block are frozen, for this thread / asyncio task. The weights of such calls refuse
+    gradients (with grad enabled a read raises) rather than come back detached.
+
+        with sdpa.frozen():
+            loss = model(**batch).loss       # patterns constant in the backward
+        loss.backward()                      # only through the values
+    """
+    global _frozen_blocks
+    token = _FROZEN.set(True)
+    _frozen_blocks += 1
+    try:
+        yield
+    finally:
+        _frozen_blocks -= 1
+        _FROZEN.reset(token)
+
+
+@torch.compiler.disable
+def _frozen_here() -> bool:
+    """Whether this thread / task is inside sdpa.frozen() (runs outside a compiled graph)."""
+    return _FROZEN.get()
+
+
+def _freeze(inputs: Inputs) -> Inputs:
+    """The inputs with q, k, a float mask and the sinks detached."""
+    mask, sinks = inputs.mask, inputs.sinks
+    return inputs._replace(
+        query=inputs.query.detach(),
+        key=inputs.key.detach(),
+        mask=mask.detach() if isinstance(mask, torch.Tensor) else mask,
+        sinks=None if sinks is None else sinks.detach(),
+    )
+
+
+def _wanted_grad(query: object, key: object, mask: object) -> bool:
+    """Whether q, k or a mask (or its sinks) the user passed required grad."""
+    parts = [query, key, mask, getattr(mask, "mask", None), getattr(mask, "sinks", None)]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in parts)
+
+
 def _compute(
     query, key, value, mask, causal, scale, dropout_p, backend: str, **torch_rules
-) -> tuple[Inputs, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[Inputs, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Backend]:
     """(inputs, output (*lead, L, Ev), lse (B, Hq, L) or None, the weights (B, Hq, L, S)
-    where the backend computed them, else None). The common calls are recognised in
-    O(1) from types and shapes (fast_normalize: 4-D, autocast off, nothing to reshape);
-    the rest are validated in full."""
-    if backend == "auto":
+    where the backend computed them, else None, the backend that ran). The common calls
+    are recognised in O(1) from types and shapes (fast_normalize: 4-D, autocast off,
+    nothing to reshape); the rest are validated in full."""
+    if backend == "auto" and not _frozen_blocks:
         inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p,
                                 torch_rules.get("gqa", True))  # fmt: skip
         if inputs is not None:
-            return inputs, *select_fast(inputs).run(inputs)
+            impl = select_fast(inputs)
+            return inputs, *impl.run(inputs), impl
     inputs = normalize(
         query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p, **torch_rules
     )
+    if _frozen_blocks and _frozen_here():
+        inputs = _freeze(inputs)
     impl = select(inputs, backend)
     with no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
         out, lse, p = impl.run(inputs)
     if len(inputs.lead) != 2:  # (B, Hq, L, Ev) -> (*lead, L, Ev)
         out = out.reshape(*inputs.lead, *out.shape[-2:])
-    return inputs, out, lse, p
+    return inputs, out, lse, p, impl
 
 
 def attention(
@@ -87,8 +146,56 @@ def attention(
     Equivalent to (up to rounding, without materialising the scores):
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
-    inputs, out, lse, p = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
-    return AttentionResult(out, AttentionWeights(inputs, lse, fused_runner, p))
+    inputs, out, lse, p, impl = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
+    frozen_call = bool(_frozen_blocks) and _frozen_here() and _wanted_grad(query, key, mask)
+    return AttentionResult(
+        out, AttentionWeights(inputs, lse, fused_runner, p, impl, frozen=frozen_call)
+    )
+
+
+class Explanation(NamedTuple):
+    """What sdpa.explain says of some inputs (str() prints it as a short table)."""
+
+    backend: str  # the backend backend="auto" picks
+    path: str  # how that backend runs these inputs (AttentionWeights.served_by)
+    fast_lane: bool  # recognised in O(1) from types and shapes (no full validation)
+    reasons: dict[str, list[str]]  # each backend -> why it would not take them ([]: would)
+
+    def __str__(self) -> str:
+        lines = [
+            f"auto picks {self.backend}: {self.path}",
+            f"fast lane: {'yes' if self.fast_lane else 'no (validated in full)'}",
+        ]
+        width = max(len(name) for name in self.reasons)
+        for name, why in self.reasons.items():
+            verdict = "would run them" if not why else "; ".join(why)
+            mark = "*" if name == self.backend else " "
+            lines.append(f"{mark} {name:<{width}}  {verdict}")
+        return "\n".join(lines)
+
+
+def explain(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Explanation:
+    """Why each backend would or would not take these inputs, and which one
+    sdpa.attention(query, key, value, mask, ...) would run, without running it (as
+    xFormers' info and torch's refusal warnings tell). Invalid inputs raise the error
+    the call would raise.
+
+        print(sdpa.explain(q, k, v, sdpa.masks.softcap(30.0)))
+    """
+    fast = fast_normalize(query, key, value, mask, causal, scale, dropout_p) is not None
+    inputs = normalize(query, key, value, mask, causal=causal, scale=scale, dropout_p=dropout_p)
+    reasons = {b.name: b.not_supported_reasons(inputs) for b in PRIORITY}
+    impl = select(inputs)
+    return Explanation(impl.name, impl.path(inputs), fast, reasons)
 
 
 def scaled_dot_product_attention(

@@ -1,8 +1,12 @@
 """Validation and the one normalised record every backend reads.
 
-Every public call goes through `normalize`: it checks the arguments (nothing is
-computed on bad input), applies torch's autocast casting rule, and lays the tensors
-out as 4-D views, without copying where broadcasting allows:
+Two ways in, one record out. `fast_normalize` recognises the calls made most (plain
+4-D tensors of one dtype on one device, no mask or a plain 4-D one, autocast off) in
+O(1) from types and shapes, and returns the record `normalize` would; every other call
+goes through `normalize`, which checks the arguments in the order of its steps below
+(nothing is computed on bad input: the first error names what is wrong), applies
+torch's autocast casting rule, and lays the tensors out as 4-D views, without copying
+where broadcasting allows:
 
     query (B, Hq, L, E)   key (B, Hkv, S, E)   value (B, Hkv, S, Ev)
     mask  None, or a bool/float tensor broadcastable to (B, Hq, L, S)
@@ -108,8 +112,75 @@ class Inputs(NamedTuple):
         return empty(self.query.shape[1], self.query.shape[2], self.key.shape[2])
 
 
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
+def normalize(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | masks.Mask | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    torch_semantics: bool = False,
+    gqa: bool = True,
+) -> Inputs:
+    """Validate the arguments of an attention call and lay them out as `Inputs`.
+
+    torch_semantics: the drop-in's rules where torch is laxer than `attention`: causal
+    with L != S is top-left instead of refused, and `scale` and `dropout_p` may be any
+    real number torch takes (bool, inf and nan included). gqa: allow Hkv < Hq (the
+    drop-in's enable_gqa); Hkv == 1 always broadcasts.
+
+    The steps, in the order errors are reported: types, autocast, dtypes and devices,
+    sizes and layout (`_Shape`), the mask, causality, scale and dropout, then the 4-D
+    views (`_lay_out`). `fast_normalize` gives the same record for the common calls.
+    """
+    query, key, value, mask, mods = _check_types(query, key, value, mask, causal)
+    device = query.device
+    if autocast_enabled(device.type):
+        query, key, value, mask = autocast([query, key, value, mask], device.type)
+    _check_dtypes_devices(query, key, value)
+    shape = _shape_of(query, key, value, gqa)
+    mask = _check_mask(mask, query, shape)
+    _check_causal(causal, shape, torch_semantics)
+    scale = _check_scale(scale, shape.E, torch_semantics)
+    dropout_p = _check_dropout(dropout_p, torch_semantics)
+    return _lay_out(query, key, value, mask, mods, causal, scale, dropout_p, shape)
+
+
+# -- 1. types: plain tensors, a mask sdpa can read, bool flags ---------------------------
+
+
+def _check_types(query, key, value, mask, causal):
+    """Plain tensors of 2+ dims, a mask sdpa can read, a bool causal flag ->
+    (query, key, value, mask, score mods or None), a ScoreMod's mask unwrapped."""
+    query = _check_tensor("query", query)
+    key = _check_tensor("key", key)
+    value = _check_tensor("value", value)
+    mods = None
+    if isinstance(mask, masks.ScoreMod):  # softcap / sinks around a mask
+        mods, mask = mask, mask.mask
+    mask = _check_mask_type(mask)
+    check_flag("causal", causal)
+    return query, key, value, mask, mods
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise SdpaTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_readable(
+        name,
+        t,
+        "sdpa.attention takes dense tensors (pad them and pass a key-padding mask, "
+        "sdpa.masks.padding(lengths)); the drop-in sdpa.scaled_dot_product_attention takes "
+        "nested tensors where torch does. Pass a plain tensor "
+        "(t.as_subclass(torch.Tensor) if a subclass's storage is what you mean)",
+    )
+    if t.ndim < 2:
+        raise SdpaValueError(
+            f"{name} must have at least 2 dims (..., length, features), got shape {_shape(t)}"
+        )
+    return t
 
 
 _PLAIN_TORCH_FUNCTIONS = (
@@ -141,22 +212,43 @@ def _check_readable(name: str, t: torch.Tensor, what_works: str) -> None:
     )
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise SdpaTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _check_readable(
-        name,
-        t,
-        "sdpa.attention takes dense tensors (pad them and pass a key-padding mask, "
-        "sdpa.masks.padding(lengths)); the drop-in sdpa.scaled_dot_product_attention takes "
-        "nested tensors where torch does. Pass a plain tensor "
-        "(t.as_subclass(torch.Tensor) if a subclass's storage is what you mean)",
-    )
-    if t.ndim < 2:
-        raise SdpaValueError(
-            f"{name} must have at least 2 dims (..., length, features), got shape {_shape(t)}"
+def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
+    """The mask as sdpa reads it: torch's causal bias objects become the causal mask of
+    the same alignment; other tensor subclasses with their own meaning are refused."""
+    if mask is None or isinstance(mask, masks.Mask):
+        return mask
+    if not isinstance(mask, torch.Tensor):
+        raise SdpaTypeError(
+            f"mask must be None, a torch.Tensor (bool/int: nonzero takes part; float: added "
+            f"to the scores) or an sdpa.masks object, got {type(mask).__name__}"
         )
-    return t
+    if is_causal_bias(mask):
+        top_left = mask.variant.name == "UPPER_LEFT"  # else LOWER_RIGHT
+        return masks.causal("top-left" if top_left else "bottom-right")
+    _check_readable(
+        "mask",
+        mask,
+        "Pass a plain bool or float tensor, an sdpa.masks object, or torch's "
+        "causal_upper_left / causal_lower_right (mapped to sdpa.masks.causal)",
+    )
+    return mask
+
+
+def is_causal_bias(mask: object) -> bool:
+    """Whether mask is torch.nn.attention.bias.CausalBias (causal_upper_left / lower_right).
+    Read from sys.modules: importing that module imports triton, and a mask cannot be a
+    CausalBias before its module is imported."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(mask, bias.CausalBias)
+
+
+def check_flag(name: str, flag: object) -> None:
+    """A Python bool, as torch's SDPA wants its flags (a string or tensor is refused)."""
+    if not isinstance(flag, bool):
+        raise SdpaTypeError(f"{name} must be True or False, got {flag!r} ({type(flag).__name__})")
+
+
+# -- 2. autocast: torch's casting rule for SDPA, applied once here -----------------------
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -165,13 +257,6 @@ def autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:
         return False
-
-
-def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast off inside (sdpa applies torch's autocast casting once, at the entry)."""
-    if autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def autocast(tensors: list[torch.Tensor | None], device_type: str) -> list[torch.Tensor | None]:
@@ -186,6 +271,124 @@ def autocast(tensors: list[torch.Tensor | None], device_type: str) -> list[torch
         else t
         for t in tensors
     ]
+
+
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off inside (sdpa applies torch's autocast casting once, at the entry)."""
+    if autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# -- 3. dtypes and devices ---------------------------------------------------------------
+
+
+def _check_dtypes_devices(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    if not query.is_floating_point():
+        raise SdpaTypeError(
+            f"query must be a floating tensor (float32, float64, bfloat16 or float16), "
+            f"got {query.dtype}"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise SdpaTypeError(
+            f"query, key and value must have the same dtype, got query {query.dtype}, "
+            f"key {key.dtype}, value {value.dtype}; cast them to one dtype"
+        )
+    device = query.device
+    if key.device != device or value.device != device:
+        raise SdpaValueError(
+            f"query, key and value must be on one device, got query {device}, "
+            f"key {key.device}, value {value.device}"
+        )
+
+
+# -- 4. sizes and layout -----------------------------------------------------------------
+
+
+class _Shape(NamedTuple):
+    """The sizes of a call, read from the user's shapes (see the module docstring)."""
+
+    batch: tuple[int, ...]  # batch dims, flattened to B
+    hq: int
+    hkv: int
+    has_heads: bool  # inputs of 4+ dims: dim -3 is heads
+    L: int
+    S: int
+    E: int
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The user-facing dims in front of (L, S)."""
+        return (*self.batch, self.hq) if self.has_heads else self.batch
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _shape_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gqa: bool) -> _Shape:
+    """Sizes that agree (E, S), batch dims that broadcast, heads that divide."""
+    qs, ks, vs = _shape(query), _shape(key), _shape(value)
+    _check_sizes(qs, ks, vs)
+    batch, hq, hkv, has_heads = _layout(qs, ks, vs, gqa)
+    return _Shape(batch, hq, hkv, has_heads, qs[-2], vs[-2], qs[-1])
+
+
+def _check_sizes(qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...]) -> None:
+    """E shared by query and key, S shared by key and value."""
+    E, S = qs[-1], vs[-2]
+    if ks[-1] != E:
+        raise SdpaValueError(
+            f"query and key must have the same feature size E, got query {qs} "
+            f"(E={E}) and key {ks} (E={ks[-1]})"
+        )
+    if ks[-2] != S:
+        raise SdpaValueError(
+            f"key and value must have the same length S, got key {ks} "
+            f"(S={ks[-2]}) and value {vs} (S={S})"
+        )
+
+
+def _layout(
+    qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...], gqa: bool
+) -> tuple[tuple[int, ...], int, int, bool]:
+    """(batch dims, Hq, Hkv, has_heads) of the inputs' shapes (see the module docstring)."""
+    if max(len(qs), len(ks), len(vs)) < 4:  # (L, E) or (N, L, E): dim -3 is batch
+        batch = _broadcast(
+            "batch dim (dim -3 of 3-D inputs)",
+            [qs[:-2], ks[:-2], vs[:-2]],
+            ["query", "key", "value"],
+        )
+        return batch, 1, 1, False
+    batch = qs[:-3]  # (..., H, L, E): dim -3 is heads
+    if ks[:-3] != batch or vs[:-3] != batch:
+        batch = _broadcast(
+            "batch dims (all but the last 3)",
+            [qs[:-3], ks[:-3], vs[:-3]],
+            ["query", "key", "value"],
+        )
+    hq, hk, hv = [s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs)]
+    if known(hq == hk) and known(hk == hv):  # the common case: one number of heads
+        return batch, hq, hq, True
+    if known(hk != hv) and not (known(hk == 1) or known(hv == 1)):
+        raise SdpaValueError(
+            f"key and value must have the same number of heads (dim -3), got key "
+            f"{ks} ({hk} heads) and value {vs} ({hv} heads)"
+        )
+    hkv = hv if known(hk == 1) else hk
+    if known(hq == 1):
+        hq = hkv  # one query head broadcast over every key/value head
+    if (empty(hkv) and not empty(hq)) or (not empty(hkv) and known(hq % hkv != 0)):
+        raise SdpaValueError(
+            f"key/value heads must divide query heads (grouped-query attention), got "
+            f"{hq} query heads (query {qs}) and {hkv} key/value heads (key {ks})"
+        )
+    if not gqa and known(hkv != hq) and not known(hkv == 1):
+        raise SdpaValueError(
+            f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
+            f"grouped-query attention (query head h uses key/value head h // {hq // hkv})"
+        )
+    return batch, hq, hkv, True
 
 
 def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -215,48 +418,20 @@ def _broadcast(what: str, shapes: list[tuple[int, ...]], names: list[str]) -> tu
     return out
 
 
-def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool) -> torch.Tensor:
-    """(..., X, Y) -> (B, heads, X, Y): a view, or a copy only when >1 batch dims must
-    be broadcast and flattened."""
-    if has_heads and t.ndim == 4 and len(batch) == 1 and t.shape[:2] == (batch[0], heads):
-        return t  # already (B, heads, X, Y)
-    if not has_heads:  # (X, Y) or (N, X, Y): no heads dim
-        t = t.unsqueeze(-3)  # (.., 1, X, Y)
-    t = t.reshape((1,) * (len(batch) + 3 - t.ndim) + tuple(t.shape))  # (*1s, h, X, Y)
-    t = t.expand(*batch, heads, t.shape[-2], t.shape[-1])  # (*batch, heads, X, Y)
-    if len(batch) != 1:
-        t = t.reshape(math.prod(batch), heads, t.shape[-2], t.shape[-1])  # (B, heads, X, Y)
-    return t
+# -- 5. the mask -------------------------------------------------------------------------
 
 
-def is_causal_bias(mask: object) -> bool:
-    """Whether mask is torch.nn.attention.bias.CausalBias (causal_upper_left / lower_right).
-    Read from sys.modules: importing that module imports triton, and a mask cannot be a
-    CausalBias before its module is imported."""
-    bias = sys.modules.get("torch.nn.attention.bias")
-    return bias is not None and isinstance(mask, bias.CausalBias)
-
-
-def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
-    """The mask as sdpa reads it: torch's causal bias objects become the causal mask of
-    the same alignment; other tensor subclasses with their own meaning are refused."""
-    if mask is None or isinstance(mask, masks.Mask):
+def _check_mask(
+    mask: torch.Tensor | masks.Mask | None, query: torch.Tensor, shape: _Shape
+) -> torch.Tensor | masks.Mask | None:
+    """A structured mask that fits (L, S) and the batch; a tensor mask as bool or
+    float in the softmax precision, broadcasting to the weights' shape."""
+    if isinstance(mask, masks.Mask):
+        check_structured(mask, shape.batch, shape.L, shape.S)
         return mask
-    if not isinstance(mask, torch.Tensor):
-        raise SdpaTypeError(
-            f"mask must be None, a torch.Tensor (bool/int: nonzero takes part; float: added "
-            f"to the scores) or an sdpa.masks object, got {type(mask).__name__}"
-        )
-    if is_causal_bias(mask):
-        top_left = mask.variant.name == "UPPER_LEFT"  # else LOWER_RIGHT
-        return masks.causal("top-left" if top_left else "bottom-right")
-    _check_readable(
-        "mask",
-        mask,
-        "Pass a plain bool or float tensor, an sdpa.masks object, or torch's "
-        "causal_upper_left / causal_lower_right (mapped to sdpa.masks.causal)",
-    )
-    return mask
+    if mask is None:
+        return None
+    return _normalize_mask(mask, query, shape.lead, shape.L, shape.S)
 
 
 def check_structured(mask: masks.Mask, batch: tuple[int, ...], L: int, S: int) -> None:
@@ -294,103 +469,7 @@ def _normalize_mask(
     return mask
 
 
-def _check_scale(scale: object, E: int, torch_semantics: bool) -> float:
-    """1/sqrt(E) for None; else a real number (a 0-d tensor or numpy scalar will do)."""
-    if scale is None:  # E = 0: every score is an empty dot product (0), any scale will do
-        return 1.0 if empty(E) else 1.0 / math.sqrt(E)
-    if isinstance(scale, numbers.Real) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
-        value = float(scale)
-        if torch_semantics or (not isinstance(scale, bool) and math.isfinite(value)):
-            return value
-    raise SdpaValueError(f"scale must be a finite number or None (1/sqrt(E)), got {scale!r}")
-
-
-def normalize(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | masks.Mask | None = None,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    torch_semantics: bool = False,
-    gqa: bool = True,
-) -> Inputs:
-    """Validate the arguments of an attention call and lay them out as `Inputs`.
-
-    torch_semantics: the drop-in's rules where torch is laxer than `attention`: causal
-    with L != S is top-left instead of refused, and `scale` and `dropout_p` may be any
-    real number torch takes (bool, inf and nan included). gqa: allow Hkv < Hq (the
-    drop-in's enable_gqa); Hkv == 1 always broadcasts.
-
-    The steps, in the order errors are reported: types, autocast, dtypes and devices,
-    sizes and layout (`_Shape`), the mask, causality, scale and dropout, then the 4-D
-    views (`_lay_out`). `fast_normalize` gives the same record for the common calls.
-    """
-    query, key, value, mask, mods = _check_types(query, key, value, mask, causal)
-    device = query.device
-    if autocast_enabled(device.type):
-        query, key, value, mask = autocast([query, key, value, mask], device.type)
-    _check_dtypes_devices(query, key, value)
-    shape = _shape_of(query, key, value, gqa)
-    mask = _check_mask(mask, query, shape)
-    _check_causal(causal, shape, torch_semantics)
-    scale = _check_scale(scale, shape.E, torch_semantics)
-    dropout_p = _check_dropout(dropout_p, torch_semantics)
-    return _lay_out(query, key, value, mask, mods, causal, scale, dropout_p, shape)
-
-
-class _Shape(NamedTuple):
-    """The sizes of a call, read from the user's shapes (see the module docstring)."""
-
-    batch: tuple[int, ...]  # batch dims, flattened to B
-    hq: int
-    hkv: int
-    has_heads: bool  # inputs of 4+ dims: dim -3 is heads
-    L: int
-    S: int
-    E: int
-
-    @property
-    def lead(self) -> tuple[int, ...]:
-        """The user-facing dims in front of (L, S)."""
-        return (*self.batch, self.hq) if self.has_heads else self.batch
-
-
-def _check_types(query, key, value, mask, causal):
-    """Plain tensors of 2+ dims, a mask sdpa can read, a bool causal flag ->
-    (query, key, value, mask, score mods or None), a ScoreMod's mask unwrapped."""
-    query = _check_tensor("query", query)
-    key = _check_tensor("key", key)
-    value = _check_tensor("value", value)
-    mods = None
-    if isinstance(mask, masks.ScoreMod):  # softcap / sinks around a mask
-        mods, mask = mask, mask.mask
-    mask = _check_mask_type(mask)
-    check_flag("causal", causal)
-    return query, key, value, mask, mods
-
-
-def _shape_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gqa: bool) -> _Shape:
-    """Sizes that agree (E, S), batch dims that broadcast, heads that divide."""
-    qs, ks, vs = _shape(query), _shape(key), _shape(value)
-    _check_sizes(qs, ks, vs)
-    batch, hq, hkv, has_heads = _layout(qs, ks, vs, gqa)
-    return _Shape(batch, hq, hkv, has_heads, qs[-2], vs[-2], qs[-1])
-
-
-def _check_mask(
-    mask: torch.Tensor | masks.Mask | None, query: torch.Tensor, shape: _Shape
-) -> torch.Tensor | masks.Mask | None:
-    """A structured mask that fits (L, S) and the batch; a tensor mask as bool or
-    float in the softmax precision, broadcasting to the weights' shape."""
-    if isinstance(mask, masks.Mask):
-        check_structured(mask, shape.batch, shape.L, shape.S)
-        return mask
-    if mask is None:
-        return None
-    return _normalize_mask(mask, query, shape.lead, shape.L, shape.S)
+# -- 6. causality, 7. scale and dropout --------------------------------------------------
 
 
 def _check_causal(causal: bool, shape: _Shape, torch_semantics: bool) -> None:
@@ -403,6 +482,36 @@ def _check_causal(causal: bool, shape: _Shape, torch_semantics: bool) -> None:
             f"mask=sdpa.masks.causal(align='bottom-right') (KV-cache decoding, "
             f"FlashAttention) or align='top-left' (torch's is_causal)"
         )
+
+
+def _check_scale(scale: object, E: int, torch_semantics: bool) -> float:
+    """1/sqrt(E) for None; else a real number (a 0-d tensor or numpy scalar will do)."""
+    if scale is None:  # E = 0: every score is an empty dot product (0), any scale will do
+        return 1.0 if empty(E) else 1.0 / math.sqrt(E)
+    if isinstance(scale, numbers.Real) or (isinstance(scale, torch.Tensor) and scale.numel() == 1):
+        value = float(scale)
+        if torch_semantics or (not isinstance(scale, bool) and math.isfinite(value)):
+            return value
+    raise SdpaValueError(f"scale must be a finite number or None (1/sqrt(E)), got {scale!r}")
+
+
+def _check_dropout(dropout_p: object, torch_semantics: bool) -> float:
+    """A probability in [0, 1]: a number (a 0-d tensor or a bool too, as torch takes
+    them, in the drop-in)."""
+    if dropout_p.__class__ is float and 0.0 <= dropout_p <= 1.0:  # the common case
+        return dropout_p  # type: ignore[return-value]
+    ok_types = (numbers.Real, torch.Tensor) if torch_semantics else (int, float)
+    number = isinstance(dropout_p, ok_types) and (
+        torch_semantics or not isinstance(dropout_p, bool)
+    )
+    if number and (not isinstance(dropout_p, torch.Tensor) or dropout_p.numel() == 1):
+        value = float(dropout_p)
+        if 0.0 <= value <= 1.0:
+            return value
+    raise SdpaValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+
+
+# -- 8. the 4-D views --------------------------------------------------------------------
 
 
 def _lay_out(query, key, value, mask, mods, causal, scale, dropout_p, shape: _Shape) -> Inputs:
@@ -422,9 +531,67 @@ def _lay_out(query, key, value, mask, mods, causal, scale, dropout_p, shape: _Sh
     return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead, mods.softcap, sinks)
 
 
+def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool) -> torch.Tensor:
+    """(..., X, Y) -> (B, heads, X, Y): a view, or a copy only when >1 batch dims must
+    be broadcast and flattened."""
+    if has_heads and t.ndim == 4 and len(batch) == 1 and t.shape[:2] == (batch[0], heads):
+        return t  # already (B, heads, X, Y)
+    if not has_heads:  # (X, Y) or (N, X, Y): no heads dim
+        t = t.unsqueeze(-3)  # (.., 1, X, Y)
+    t = t.reshape((1,) * (len(batch) + 3 - t.ndim) + tuple(t.shape))  # (*1s, h, X, Y)
+    t = t.expand(*batch, heads, t.shape[-2], t.shape[-1])  # (*batch, heads, X, Y)
+    if len(batch) != 1:
+        t = t.reshape(math.prod(batch), heads, t.shape[-2], t.shape[-1])  # (B, heads, X, Y)
+    return t
+
+
+def _mask_to_4d(
+    mask: torch.Tensor, batch: tuple[int, ...], hq: int, has_heads: bool, L: int, S: int
+) -> torch.Tensor:
+    """(..., L|1, S|1) -> (B|1, Hq|1, L, S) as a view (stride 0 where broadcast)."""
+    if not has_heads:
+        mask = mask.reshape((1,) * (len(batch) + 2 - mask.ndim) + tuple(mask.shape))
+        mask = mask.unsqueeze(-3)  # (N|1, 1, L|1, S|1)
+    else:
+        mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
+    heads = mask.shape[-3]
+    if len(batch) > 1:  # flatten several batch dims into B
+        mask = mask.expand(*batch, heads, mask.shape[-2], mask.shape[-1])
+        mask = mask.reshape(math.prod(batch), heads, mask.shape[-2], mask.shape[-1])
+    return mask.expand(mask.shape[0], heads, L, S)  # (B|1, Hq|1, L, S)
+
+
+def _normalize_sinks(
+    sinks: torch.Tensor, query: torch.Tensor, lead: tuple[int, ...], L: int, B: int
+) -> torch.Tensor:
+    """Sink logits broadcasting to the weights' (*lead, L, 1) -> (B, Hq, L|1) in the
+    softmax precision (differentiable)."""
+    if sinks.device != query.device:
+        raise SdpaValueError(f"sinks are on {sinks.device} but query is on {query.device}")
+    target = (*lead, L, 1)
+    if sinks.ndim > len(target) or _broadcast_shape(_shape(sinks), target) != target:
+        raise SdpaValueError(
+            f"sinks of shape {_shape(sinks)} do not broadcast to {target} (..., Hq, L, 1), "
+            f"the extra column of the scores: pass (Hq, 1, 1) for one logit per head"
+        )
+    want = compute_dtype(query.dtype)
+    rows = L if sinks.ndim >= 2 and sinks.shape[-2] != 1 else 1
+    sinks = sinks.expand(*lead, rows, 1).reshape(B, -1, rows)  # (B, Hq, L|1)
+    return sinks.to(want)
+
+
+# -- the fast lane: the common calls, recognised in O(1) ---------------------------------
+
+
 _FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+
+
 _SQRT = {n: 1.0 / math.sqrt(n) for n in range(1, 1025)}  # default scales, no call
+
+
 _is_compiling = torch.compiler.is_compiling
+
+
 _autocast_on = torch.is_autocast_enabled
 
 
@@ -512,139 +679,9 @@ def fast_normalize(
     return Inputs(query, key, value, mask, causal, scale, 0.0, (B, Hq))
 
 
-def _normalize_sinks(
-    sinks: torch.Tensor, query: torch.Tensor, lead: tuple[int, ...], L: int, B: int
-) -> torch.Tensor:
-    """Sink logits broadcasting to the weights' (*lead, L, 1) -> (B, Hq, L|1) in the
-    softmax precision (differentiable)."""
-    if sinks.device != query.device:
-        raise SdpaValueError(f"sinks are on {sinks.device} but query is on {query.device}")
-    target = (*lead, L, 1)
-    if sinks.ndim > len(target) or _broadcast_shape(_shape(sinks), target) != target:
-        raise SdpaValueError(
-            f"sinks of shape {_shape(sinks)} do not broadcast to {target} (..., Hq, L, 1), "
-            f"the extra column of the scores: pass (Hq, 1, 1) for one logit per head"
-        )
-    want = compute_dtype(query.dtype)
-    rows = L if sinks.ndim >= 2 and sinks.shape[-2] != 1 else 1
-    sinks = sinks.expand(*lead, rows, 1).reshape(B, -1, rows)  # (B, Hq, L|1)
-    return sinks.to(want)
+# -- for the engines ---------------------------------------------------------------------
 
 
 def sink_rows(sinks: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     """The sinks (B, H, L|1) of query rows `rows`: one logit per head serves every row."""
     return sinks if sinks is None or sinks.shape[-1] == 1 else sinks[..., rows]
-
-
-def check_flag(name: str, flag: object) -> None:
-    """A Python bool, as torch's SDPA wants its flags (a string or tensor is refused)."""
-    if not isinstance(flag, bool):
-        raise SdpaTypeError(f"{name} must be True or False, got {flag!r} ({type(flag).__name__})")
-
-
-def _check_dtypes_devices(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    if not query.is_floating_point():
-        raise SdpaTypeError(
-            f"query must be a floating tensor (float32, float64, bfloat16 or float16), "
-            f"got {query.dtype}"
-        )
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise SdpaTypeError(
-            f"query, key and value must have the same dtype, got query {query.dtype}, "
-            f"key {key.dtype}, value {value.dtype}; cast them to one dtype"
-        )
-    device = query.device
-    if key.device != device or value.device != device:
-        raise SdpaValueError(
-            f"query, key and value must be on one device, got query {device}, "
-            f"key {key.device}, value {value.device}"
-        )
-
-
-def _check_sizes(qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...]) -> None:
-    """E shared by query and key, S shared by key and value."""
-    E, S = qs[-1], vs[-2]
-    if ks[-1] != E:
-        raise SdpaValueError(
-            f"query and key must have the same feature size E, got query {qs} "
-            f"(E={E}) and key {ks} (E={ks[-1]})"
-        )
-    if ks[-2] != S:
-        raise SdpaValueError(
-            f"key and value must have the same length S, got key {ks} "
-            f"(S={ks[-2]}) and value {vs} (S={S})"
-        )
-
-
-def _layout(
-    qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...], gqa: bool
-) -> tuple[tuple[int, ...], int, int, bool]:
-    """(batch dims, Hq, Hkv, has_heads) of the inputs' shapes (see the module docstring)."""
-    if max(len(qs), len(ks), len(vs)) < 4:  # (L, E) or (N, L, E): dim -3 is batch
-        batch = _broadcast(
-            "batch dim (dim -3 of 3-D inputs)",
-            [qs[:-2], ks[:-2], vs[:-2]],
-            ["query", "key", "value"],
-        )
-        return batch, 1, 1, False
-    batch = qs[:-3]  # (..., H, L, E): dim -3 is heads
-    if ks[:-3] != batch or vs[:-3] != batch:
-        batch = _broadcast(
-            "batch dims (all but the last 3)",
-            [qs[:-3], ks[:-3], vs[:-3]],
-            ["query", "key", "value"],
-        )
-    hq, hk, hv = [s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs)]
-    if known(hq == hk) and known(hk == hv):  # the common case: one number of heads
-        return batch, hq, hq, True
-    if known(hk != hv) and not (known(hk == 1) or known(hv == 1)):
-        raise SdpaValueError(
-            f"key and value must have the same number of heads (dim -3), got key "
-            f"{ks} ({hk} heads) and value {vs} ({hv} heads)"
-        )
-    hkv = hv if known(hk == 1) else hk
-    if known(hq == 1):
-        hq = hkv  # one query head broadcast over every key/value head
-    if (empty(hkv) and not empty(hq)) or (not empty(hkv) and known(hq % hkv != 0)):
-        raise SdpaValueError(
-            f"key/value heads must divide query heads (grouped-query attention), got "
-            f"{hq} query heads (query {qs}) and {hkv} key/value heads (key {ks})"
-        )
-    if not gqa and known(hkv != hq) and not known(hkv == 1):
-        raise SdpaValueError(
-            f"query has {hq} heads and key/value {hkv}: pass enable_gqa=True for "
-            f"grouped-query attention (query head h uses key/value head h // {hq // hkv})"
-        )
-    return batch, hq, hkv, True
-
-
-def _check_dropout(dropout_p: object, torch_semantics: bool) -> float:
-    """A probability in [0, 1]: a number (a 0-d tensor or a bool too, as torch takes
-    them, in the drop-in)."""
-    if dropout_p.__class__ is float and 0.0 <= dropout_p <= 1.0:  # the common case
-        return dropout_p  # type: ignore[return-value]
-    ok_types = (numbers.Real, torch.Tensor) if torch_semantics else (int, float)
-    number = isinstance(dropout_p, ok_types) and (
-        torch_semantics or not isinstance(dropout_p, bool)
-    )
-    if number and (not isinstance(dropout_p, torch.Tensor) or dropout_p.numel() == 1):
-        value = float(dropout_p)
-        if 0.0 <= value <= 1.0:
-            return value
-    raise SdpaValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
-
-
-def _mask_to_4d(
-    mask: torch.Tensor, batch: tuple[int, ...], hq: int, has_heads: bool, L: int, S: int
-) -> torch.Tensor:
-    """(..., L|1, S|1) -> (B|1, Hq|1, L, S) as a view (stride 0 where broadcast)."""
-    if not has_heads:
-        mask = mask.reshape((1,) * (len(batch) + 2 - mask.ndim) + tuple(mask.shape))
-        mask = mask.unsqueeze(-3)  # (N|1, 1, L|1, S|1)
-    else:
-        mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
-    heads = mask.shape[-3]
-    if len(batch) > 1:  # flatten several batch dims into B
-        mask = mask.expand(*batch, heads, mask.shape[-2], mask.shape[-1])
-        mask = mask.reshape(math.prod(batch), heads, mask.shape[-2], mask.shape[-1])
-    return mask.expand(mask.shape[0], heads, L, S)  # (B|1, Hq|1, L, S)

@@ -1,298 +1,348 @@
-"""The chunked engine behind AttentionWeights: query rows rebuilt from the LSE.
+"""The rows engine behind AttentionWeights: any selection of the weights, tile by tile.
 
-For query row i, with s_ij = scale * q_i . k_j + bias_ij and the row's log-sum-exp,
-    log p_ij = s_ij - lse_i        p_ij = exp(s_ij - lse_i)
-so any row costs one GEMM and one exp. `Rows` is a selection of rows laid out
-(B, H, n, ...); the work is cut into tiles of at most `chunk_bytes` (sdpa.settings): a
-whole batch element when it fits, else row chunks of one head, so no statistic
-allocates L x S. The LSE limits below are the settings' fold_lse_limit and
-exact_lse_limit.
+For query row i, with s_ij = mod(scale * q_i . k_j) + bias_ij (sdpa.tile) and the row's
+log-sum-exp from the kernel that ran the call,
+    p_ij = exp(s_ij - lse_i)
+so any row costs one GEMM and one exp, and nothing L x S is kept between calls. `Rows`
+is a selection (batch elements, query heads, query rows, keys) of one call's weights;
+the work is cut into tiles of at most `chunk_bytes` (sdpa.settings) of weights: a whole
+batch element when it fits, else row chunks of one head, so no read allocates L x S.
+
+Each tile is a driver's call of the tile rule: scores, the window's mask, then either
+`tile.rebuild` (the LSE as the shift, rows normalised by their own sum where the tile
+holds every key) or, for rows whose |lse| is past `exact_lse_limit`, `tile.finish`
+(the row max as the shift: the LSE of such a row has lost digits in float32). A tile
+over a selection of keys (reads over the key dim, pairs) cannot normalise its rows:
+p = exp(s - lse), and rows past the limit are read whole (`needs_every_key`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 
-from sdpa import masks, settings
-from sdpa.inputs import sink_rows
+from sdpa import masks, settings, tile
+from sdpa.inputs import Inputs, empty
 
-LOG2E = 1.0 / math.log(2.0)
+ALL = slice(None)
 
 
 class Rows(NamedTuple):
-    """Query rows of the weights, with what it takes to rebuild them.
+    """A selection of one call's weights: (len(batch), len(heads), n, m).
 
-    q (B, H, n, E); k (B, Hkv, S, E), query head h on key head h // (H // Hkv);
-    lse (B, H, n); mask (B|1, H|1, n, S) bool (True = takes part) or float (added), a
-    structured mask (batch dim B, if any), or None; q_pos (n,): the rows' query
-    positions among the L of the attention; causal: top-left causal masking on top.
-    softcap and sinks as in sdpa.masks.ScoreMod (lse includes the sinks).
-    A selection of keys (reads over the key dim, w[..., J]): k (B, Hkv, m, E) holds
-    them, k_pos (m,) their positions among the S keys of the attention, the tensor mask
-    its m columns; rows then cost O(n x m). Exact rows (|lse| > exact_lse_limit)
-    need every key: such a selection is refused (callers read whole rows instead).
+    inputs: the call (q (B, Hq, L, E), k (B, Hkv, S, E), mask, causal, scale, softcap,
+    sinks); lse (B, Hq, L) of every row (sinks included). batch: the batch elements
+    (indices into B); heads: the query heads (a range over Hq); rows: the query
+    positions (a slice, or a (n,) tensor); keys: the key positions (a slice, or a (m,)
+    tensor; ALL: every key, the rows then normalised exactly).
     """
 
-    q: torch.Tensor
-    k: torch.Tensor
+    inputs: Inputs
     lse: torch.Tensor
-    mask: torch.Tensor | masks.Mask | None
-    q_pos: torch.Tensor
-    causal: bool
-    L: int
-    scale: float
-    dtype: torch.dtype  # compute dtype: float32 for 16-bit inputs
-    softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) before the mask
-    sinks: torch.Tensor | None = None  # (B, H, n|1) sink logits, already inside lse
-    k_pos: torch.Tensor | None = None  # (m,) positions of the keys in k; None: 0..S-1
-    S: int | None = None  # the attention's key count when k holds a selection
+    batch: range
+    heads: range
+    rows: slice | torch.Tensor = ALL
+    keys: slice | torch.Tensor = ALL
 
-    @property
-    def key_count(self) -> int:
-        """S of the attention (not of the selection k holds)."""
-        return self.k.shape[2] if self.S is None else self.S
+    @classmethod
+    def every(cls, inputs: Inputs, lse: torch.Tensor) -> Rows:
+        """Every row of every batch element and head."""
+        B, Hq = inputs.query.shape[:2]
+        return cls(inputs, lse, range(B), range(Hq))
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """(B, H, n, S)"""
-        B, H, n, _ = self.q.shape
-        return B, H, n, self.k.shape[2]
+        """(B', H', n, m) of the selection."""
+        L, S = self.inputs.query.shape[2], self.inputs.key.shape[2]
+        return len(self.batch), len(self.heads), _count(self.rows, L), _count(self.keys, S)
 
-    def tiles(self, budget: int) -> Iterator[tuple[int, slice, slice]]:
-        """(b, heads, rows) pieces of at most `budget` bytes of weights: whole batch
-        elements when one fits, else row chunks of one head at a time."""
-        B, H, n, S = self.shape
-        item = torch.finfo(self.dtype).bits // 8
-        if H * n * S * item <= budget:
-            for b in range(B):
-                yield b, slice(0, H), slice(0, n)
-            return
-        step = max(1, budget // max(1, S * item))
-        for b in range(B):
-            for h in range(H):
-                for r0 in range(0, n, step):
-                    yield b, slice(h, h + 1), slice(r0, min(n, r0 + step))
+    @property
+    def complete(self) -> bool:
+        """Whether the selection holds every key of its rows."""
+        return isinstance(self.keys, slice) and self.keys == ALL
 
-    def tile(self, b: int, heads: slice, rows: slice) -> Rows:
-        """The sub-selection of batch element b, a head range and a row range."""
-        H, Hkv = self.q.shape[1], self.k.shape[1]
-        if heads != slice(0, H):  # one head: its key head
-            kv = heads.start // (H // Hkv)
-            k = self.k[b : b + 1, kv : kv + 1]
-        else:
-            k = self.k[b : b + 1]
-        mask = self.mask
-        if isinstance(mask, masks.Mask):
-            keep = mask.keep(self.q_pos[rows], _key_positions(self), self.L, self.key_count)
-            mask = keep[b if keep.shape[0] > 1 else 0][None, None]  # (1, 1, r, S)
-        elif mask is not None:
-            mb = slice(b, b + 1) if mask.shape[0] > 1 else slice(0, 1)
-            mask = mask[mb, heads if mask.shape[1] > 1 else slice(0, 1), rows]
-        return self._replace(
-            q=self.q[b : b + 1, heads, rows],
-            k=k,
-            lse=self.lse[b : b + 1, heads, rows],
-            mask=mask,
-            q_pos=self.q_pos[rows],
-            sinks=None if self.sinks is None else sink_rows(self.sinks[b : b + 1, heads], rows),
-        )
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inputs.compute_dtype
 
-    def with_tensor_mask(self) -> Rows:
-        """A structured mask materialised for these rows: (B|1, 1, n, S) bool."""
-        if not isinstance(self.mask, masks.Mask):
-            return self
-        keep = self.mask.keep(self.q_pos, _key_positions(self), self.L, self.key_count)
-        return self._replace(mask=keep[:, None])
+    @property
+    def device(self) -> torch.device:
+        return self.inputs.query.device
 
 
-def _key_positions(r: Rows) -> torch.Tensor:
-    """(m,) positions among the attention's S of the keys k holds."""
-    return torch.arange(r.k.shape[2], device=r.k.device) if r.k_pos is None else r.k_pos
+def _count(index: slice | torch.Tensor, n: int) -> int:
+    return len(index) if isinstance(index, torch.Tensor) else len(range(*index.indices(n)))
 
 
-def log2_probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
-    """log2 of the weights, (B, H, n, S): -inf where a key is excluded.
+class Tile(NamedTuple):
+    """One piece of work: batch element `b` (at `at_b` in the output), query heads
+    `heads` (at `at_h`), rows `rows` of the selection (positions `q_rows`)."""
 
-    Two ways to the same numbers, both ending in exp2 (~3x faster than exp on CPU):
-    - fold: the LSE folded into one GEMM, [c*scale*q_i, -c*lse_i] . [k_j, 1] =
-      c*(s_ij - lse_i), c = log2(e). Fastest; its rounding grows like eps * |lse|, so it
-      serves tiles whose |lse| <= fold_lse_limit, without a softcap.
-    - mirror: the scores rounded as the fused kernel rounds the ones its LSE sums,
-      s = fl(q.k * scale) + bias, then s - lse first (exact near the large weights,
-      where s ~ lse), then * c: the kernel's own precision, for three more passes.
-    Rows with |lse| > exact_lse_limit are recomputed as log_softmax of their scores
-    (with the sink in the denominator). (Limits: sdpa.settings.)
-    """
-    r = r.with_tensor_mask()
-    additive = r.mask is not None and r.mask.dtype != torch.bool
-    tuning = settings.get()
-    if r.softcap is None and not (r.lse.abs() > tuning.fold_lse_limit).any():
-        cd = r.dtype
-        k = r.k.to(cd)
-        q_aug = torch.cat(
-            [r.q.to(cd) * (r.scale * LOG2E), r.lse[..., None].to(cd) * -LOG2E], dim=-1
-        )  # (B, H, n, E+1)
-        k_aug = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hkv, S, E+1)
-        t = _grouped_scores(q_aug, k_aug, out)  # (B, H, n, S)
-        if additive:
-            t.add_(r.mask, alpha=LOG2E)
-        return _exclude(t, r)
-    t = _grouped_scores(r.q.to(r.dtype), r.k.to(r.dtype), out).mul_(r.scale)  # (B, H, n, S)
-    if r.softcap is not None:
-        t.div_(r.softcap).tanh_().mul_(r.softcap)
-    if additive:
-        t.add_(r.mask)
-    inexact = r.lse.abs() > tuning.exact_lse_limit  # (B, H, n)
-    exact = None
-    if inexact.any():
-        if r.k_pos is not None:  # see needs_every_key
-            raise ValueError("rows with |lse| > exact_lse_limit need every key, not a selection")
-        exact = _exclude(t.clone(), r)
-        if r.sinks is not None:  # the sink's column in the denominator
-            column = r.sinks[..., None].to(exact.dtype).expand(*exact.shape[:-1], 1)
-            exact = torch.log_softmax(torch.cat([exact, column], dim=-1), dim=-1)[..., :-1]
-        else:  # (log_softmax subtracts the row max first: exact where s ~ big bias)
-            exact = torch.log_softmax(exact, dim=-1)
-        exact.mul_(LOG2E).nan_to_num_(nan=-torch.inf)  # rows that see no key
-    t.sub_(r.lse[..., None].to(r.dtype)).mul_(LOG2E)
-    _exclude(t, r)
-    if exact is not None:
-        torch.where(inexact[..., None], exact, t, out=t)
-    return t
+    at_b: int
+    b: int
+    at_h: slice
+    heads: range
+    at_r: slice
+    q_rows: slice | torch.Tensor
 
 
-def needs_every_key(lse: torch.Tensor) -> bool:
-    """Whether rows with this LSE are recomputed exactly (log_softmax over all their
-    keys), so a selection of keys cannot serve them."""
+def _head_blocks(r: Rows) -> list[tuple[int, range]]:
+    """(offset in the selection, heads) blocks: the whole selection where it covers
+    whole key-head groups with step 1 (their scores fold into one product), else one
+    query head at a time."""
+    g, heads = r.inputs.group, r.heads
+    if heads.step == 1 and heads.start % g == 0 and heads.stop % g == 0:
+        return [(0, heads)]
+    return [(j, range(h, h + 1)) for j, h in enumerate(heads)]
+
+
+def _sub_rows(rows: slice | torch.Tensor, L: int, r0: int, r1: int) -> slice | torch.Tensor:
+    """Rows r0:r1 of a selection of query positions."""
+    if isinstance(rows, torch.Tensor):
+        return rows[r0:r1]
+    start, _, step = rows.indices(L)
+    return slice(start + r0 * step, start + r1 * step, step)
+
+
+def tiles(r: Rows, budget: int) -> Iterator[Tile]:
+    """Tiles of at most `budget` bytes of weights: a whole batch element (all selected
+    heads and rows) when it fits, else row chunks of one head at a time."""
+    _, H, n, m = r.shape
+    L = r.inputs.query.shape[2]
+    item = torch.finfo(r.dtype).bits // 8
+    whole = H * n * m * item <= budget
+    step = n if whole else max(1, budget // max(1, m * item))
+    blocks = _head_blocks(r) if whole else [(j, range(h, h + 1)) for j, h in enumerate(r.heads)]
+    for at_b, b in enumerate(r.batch):
+        for j, heads in blocks:
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                yield Tile(
+                    at_b, b, slice(j, j + len(heads)), heads, slice(r0, r1),
+                    _sub_rows(r.rows, L, r0, r1),
+                )  # fmt: skip
+
+
+def _heads_slice(heads: range) -> slice:
+    return slice(heads.start, heads.stop, heads.step)
+
+
+def operands(r: Rows, t: Tile):
+    """(q (1, h, rows, E), k (1, hkv, keys, E), lse (1, h, rows), sinks (1, h, rows|1) or
+    None, window (1|.., h|1, rows, keys) or None) of one tile."""
+    i = r.inputs
+    g = i.group
+    hs = _heads_slice(t.heads)
+    q = tile.cut(i.query[t.b : t.b + 1, hs], 2, t.q_rows)
+    kv0 = t.heads.start // g
+    kv1 = kv0 + 1 if len(t.heads) == 1 else t.heads.stop // g
+    k = tile.cut(i.key[t.b : t.b + 1, kv0:kv1], 2, r.keys)
+    lse = tile.cut(r.lse[t.b : t.b + 1, hs], 2, t.q_rows)
+    sinks = i.sinks
+    if sinks is not None:
+        sinks = sinks[t.b : t.b + 1, hs].detach()
+        sinks = sinks if sinks.shape[-1] == 1 else tile.cut(sinks, 2, t.q_rows)
+    L, S = i.query.shape[2], i.key.shape[2]
+    mask = i.mask
+    if isinstance(mask, torch.Tensor):
+        mask = mask[t.b : t.b + 1] if mask.shape[0] > 1 else mask
+        mask = mask[:, hs] if mask.shape[1] > 1 else mask
+    window = tile.window(mask, i.causal, L, S, t.q_rows, r.keys, q.device)
+    if isinstance(i.mask, masks.Mask) and window.shape[0] > 1:
+        window = window[t.b : t.b + 1]
+    return q, k, lse, sinks, window
+
+
+def _shifted(
+    r: Rows, t: Tile, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(shifted scores s - c of a tile (1, h, rows, keys) written into `out` when given,
+    the shift c (1, h, rows, 1), the tile's sinks or None). c is the LSE, or the row max
+    for complete rows whose LSE has lost digits (_inexact)."""
+    q, k, lse, sinks, window = operands(r, t)
+    scoring = tile.Scoring.of(r.inputs)
+    if r.complete and _inexact(lse):  # the row max: the scores first
+        s = tile.exclude(tile.scores(q, k, scoring, out=out), window)
+        return (*tile.shift(s, lse, exact=True), sinks)
+    shifted = tile.scores(q, k, scoring, out=out, minus=lse)  # s - lse in the product
+    return tile.exclude(shifted, window), lse[..., None], sinks
+
+
+def weights(r: Rows, t: Tile, out: torch.Tensor | None = None) -> torch.Tensor:
+    """p of a tile, (1, h, rows, keys), written into `out` when given: rows normalised by
+    their own sum where the selection holds every key, else exp(s - lse)."""
+    shifted, c, sinks = _shifted(r, t, out)
+    e = shifted.exp_()
+    if not r.complete:
+        return e
+    return e.div_(tile.normalizer(e, c, sinks))
+
+
+def _inexact(lse: torch.Tensor) -> bool:
+    """Whether complete rows with this LSE take the row max as their shift (|lse| past
+    the settings' exact_lse_limit: its float32 value has lost digits). On CUDA every
+    tile does (no host sync to decide)."""
+    if not lse.is_cpu:
+        return True
     return bool((lse.abs() > settings.get().exact_lse_limit).any())
 
 
-def probabilities(r: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The weights, (B, H, n, S), written into `out` when given."""
-    return log2_probabilities(r, out).exp2_()
-
-
-def dense(r: Rows) -> torch.Tensor:
-    """The weights (B, H, n, S), tile by tile into one output."""
-    if 0 in r.shape:
-        return r.q.new_zeros(r.shape, dtype=r.dtype)
-    tiles = list(r.tiles(settings.get().chunk_bytes))
-    if len(tiles) == 1:
-        return probabilities(r)
-    out = torch.empty(r.shape, dtype=r.dtype, device=r.q.device)
-    for b, heads, rows in tiles:
-        probabilities(r.tile(b, heads, rows), out=out[b : b + 1, heads, rows])
-    return out
+def needs_every_key(lse: torch.Tensor) -> bool:
+    """Whether rows with this LSE are read whole (see _inexact): a selection of keys
+    cannot normalise them."""
+    return bool((lse.abs() > settings.get().exact_lse_limit).any())
 
 
 def _scratch(r: Rows, budget: int) -> torch.Tensor:
     """One reusable buffer for the largest tile (fresh pages fault on every allocation)."""
-    _, H, n, S = r.shape
+    _, H, n, m = r.shape
     item = torch.finfo(r.dtype).bits // 8
-    size = H * n * S if H * n * S * item <= budget else min(n, max(1, budget // (S * item))) * S
-    return torch.empty(size, dtype=r.dtype, device=r.q.device)
+    size = H * n * m if H * n * m * item <= budget else min(n, max(1, budget // (m * item))) * m
+    return torch.empty(size, dtype=r.dtype, device=r.device)
 
 
-def _each_tile(r: Rows) -> Iterator[tuple[int, slice, slice, torch.Tensor]]:
-    """(b, heads, rows, log2 weights of the tile), reusing one buffer."""
+def _each(r: Rows) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(tile, shifted scores, shift, sinks) of every tile, reusing one buffer."""
+    if empty(*r.shape):
+        return
     budget = settings.get().chunk_bytes
     scratch = _scratch(r, budget)
-    if 0 in r.shape:
-        return
-    for b, heads, rows in r.tiles(budget):
-        tile = r.tile(b, heads, rows)
-        shape = tile.shape
-        yield b, heads, rows, log2_probabilities(tile, out=scratch[: math.prod(shape)].view(shape))
+    for t in tiles(r, budget):
+        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, r.shape[3])
+        yield t, *_shifted(r, t, scratch[: math.prod(shape)].view(shape))
 
 
-def key_sums(r: Rows) -> torch.Tensor:
-    """sum over the rows of the weights: the attention each key receives, (B, H, S)."""
-    B, H, _, S = r.shape
-    out = torch.zeros(B, H, S, dtype=r.dtype, device=r.q.device)
-    for b, heads, _, t in _each_tile(r):
-        out[b : b + 1, heads] += t.exp2_().sum(dim=-2)
+def dense(r: Rows) -> torch.Tensor:
+    """The weights of the selection, (B', H', n, m)."""
+    if empty(*r.shape):
+        return torch.zeros(r.shape, dtype=r.dtype, device=r.device)
+    out = torch.empty(r.shape, dtype=r.dtype, device=r.device)
+    for t in tiles(r, settings.get().chunk_bytes):
+        weights(r, t, out[t.at_b : t.at_b + 1, t.at_h, t.at_r])
     return out
 
 
+def key_sums(r: Rows) -> torch.Tensor:
+    """Sum over the selection's rows (all keys): the attention each key receives,
+    (B', H', S), the tiles' partial sums added in float64 on CPU."""
+    B, H, _, m = r.shape
+    wide = torch.float64 if r.device.type == "cpu" else r.dtype  # tiles' partial sums
+    out = torch.zeros(B, H, m, dtype=wide, device=r.device)
+    for t, shifted, c, sinks in _each(r):
+        e = shifted.exp_()
+        p = e.div_(tile.normalizer(e, c, sinks))
+        out[t.at_b : t.at_b + 1, t.at_h] += p.sum(dim=-2)
+    return out.to(r.dtype)
+
+
 def entropy(r: Rows) -> torch.Tensor:
-    """-sum_j p_ij ln p_ij per row, (B, H, n), in nats; 0 for rows that see no key."""
+    """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
     B, H, n, _ = r.shape
-    out = torch.zeros(B, H, n, dtype=r.dtype, device=r.q.device)
-    for b, heads, rows, t in _each_tile(r):
-        p_log2p = t.exp2().mul_(t).nan_to_num_(nan=0.0)  # 0 * -inf -> 0 where excluded
-        out[b : b + 1, heads, rows] = p_log2p.sum(dim=-1).mul_(-1.0 / LOG2E)
+    out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
+    for t, shifted, c, sinks in _each(r):
+        e = shifted.exp()
+        total = tile.normalizer(e, c, sinks)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(
+            shifted, e, total, sinks is not None
+        )
     return out
 
 
 def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest weights of each row and their key indices, each (B, H, n, k). Top-k
-    of p is top-k of log p: only the k winners are exponentiated."""
+    """The k largest weights of each row and their key indices, each (B', H', n, k): the
+    top k of the shifted scores, exponentiated and normalised."""
     B, H, n, _ = r.shape
-    values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.q.device)
-    indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.q.device)
-    for b, heads, rows, t in _each_tile(r):
-        top, idx = t.topk(k, dim=-1)
-        values[b : b + 1, heads, rows] = top.exp2_()
-        indices[b : b + 1, heads, rows] = idx
+    values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.device)
+    indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.device)
+    for t, shifted, c, sinks in _each(r):
+        top, idx = shifted.topk(k, dim=-1)
+        total = tile.normalizer(shifted.exp_(), c, sinks)
+        values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = top.exp_().div_(total)
+        indices[t.at_b : t.at_b + 1, t.at_h, t.at_r] = idx
     return values, indices
 
 
-def _exclude(t: torch.Tensor, r: Rows) -> torch.Tensor:
-    """-inf, in place, where causality or a bool mask excludes a key."""
-    if r.causal:  # top-left
-        t.masked_fill_(masks.visible_grid(r.q_pos, _key_positions(r)).logical_not_(), -torch.inf)
-    if r.mask is not None and r.mask.dtype == torch.bool:
-        t.masked_fill_(~r.mask, -torch.inf)
-    return t
-
-
-def _grouped_scores(
-    q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """q (B, H, n, D) @ k (B, Hkv, S, D)^T -> (B, H, n, S) with query head h on key head
-    h // (H // Hkv): the heads sharing a key head are folded into rows, no copy of k."""
-    B, H, n, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    folded = q.reshape(B, Hkv, H // Hkv * n, D)
-    if out is None:
-        return torch.matmul(folded, k.transpose(-2, -1)).view(B, H, n, S)
-    torch.matmul(folded, k.transpose(-2, -1), out=out.view(B, Hkv, H // Hkv * n, S))
+def amax(r: Rows) -> torch.Tensor:
+    """Each row's largest weight, (B', H', n): exp(max t) / total."""
+    B, H, n, _ = r.shape
+    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    for t, shifted, c, sinks in _each(r):
+        top = shifted.amax(dim=-1, keepdim=True)
+        total = tile.normalizer(shifted.exp_(), c, sinks)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = top.exp_().div_(total)[..., 0]
     return out
 
 
-def pair_probabilities(r: Rows, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor:
-    """The weights at P (query, key) pairs, (B, H, P): qi, kj (1|B, P) positions among
-    the rows' queries and the attention's keys (r holds every query row and key)."""
-    B, H, _, E = r.q.shape
-    Hkv, P = r.k.shape[1], qi.shape[-1]
-    cd = r.dtype
-    q = r.q.to(cd).gather(2, qi[:, None, :, None].expand(B, H, P, E))  # (B, H, P, E)
-    k = r.k.to(cd).gather(2, kj[:, None, :, None].expand(B, Hkv, P, E))  # (B, Hkv, P, E)
-    s = (q.view(B, Hkv, H // Hkv, P, E) * k[:, :, None]).sum(-1).view(B, H, P) * r.scale
-    if r.softcap is not None:
-        s = torch.tanh(s / r.softcap) * r.softcap
-    mask = r.mask
-    if isinstance(mask, masks.Mask):
-        if qi.shape[0] == 1:  # pairs shared by every batch element
-            keep = mask.keep_pairs(qi[0], kj[0], r.L, r.key_count)  # (Bm, P)
-        else:
-            keep = torch.stack(
-                [
-                    mask.keep_pairs(qi[b], kj[b], r.L, r.key_count)[b if mask.batch else 0]
-                    for b in range(qi.shape[0])
-                ]
-            )  # (B, P)
-        s = s.masked_fill(~keep[:, None], -torch.inf)
-    elif mask is not None:
-        Bm = max(mask.shape[0], qi.shape[0])
-        b = torch.arange(Bm, device=qi.device)[:, None]
-        picked = mask.expand(Bm, *mask.shape[1:])[b, :, qi, kj].permute(0, 2, 1)  # (Bm, Hm, P)
-        s = s.masked_fill(~picked, -torch.inf) if picked.dtype == torch.bool else s + picked
-    if r.causal:
-        s = s.masked_fill(~masks.visible(qi, kj)[:, None], -torch.inf)  # top-left, elementwise
-    lse = r.lse.gather(2, qi[:, None].expand(B, H, P))  # (B, H, P)
-    return torch.exp(s - lse)
+def log_weights(r: Rows, t: Tile) -> torch.Tensor:
+    """log p of a tile of complete rows, (1, h, rows, S), normalised by each row's own
+    sum: -inf where a key is excluded (every key of a row that sees none)."""
+    shifted, c, sinks = _shifted(r, t, None)
+    total = tile.normalizer(shifted.exp(), c, sinks)
+    return shifted.sub_(total.log_())
+
+
+def kl(r: Rows, other: Callable[[Tile], torch.Tensor], reverse: bool) -> torch.Tensor:
+    """KL(Q || P) per row, (B', H', n), P the weights of `r` (every key), Q = exp of
+    other(tile), the other side's log-weights on the same tile; with reverse, KL(P || Q).
+    A key where the first argument is 0 adds 0; where only the second is, +inf."""
+    B, H, n, _ = r.shape
+    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    for t in tiles(r, settings.get().chunk_bytes // 2):  # two tiles at once
+        lp, lq = log_weights(r, t), other(t)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.kl_of(lp, lq, reverse)
+    return out
+
+
+def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
+    """u^T P over the rows: u (B', H', F, n) -> (B', H', F, S), one tile at a time."""
+    B, H, _, m = r.shape
+    F = u.shape[2]
+    out = torch.zeros(B, H, F, m, dtype=r.dtype, device=r.device)
+    for t, shifted, c, sinks in _each(r):
+        e = shifted.exp_()
+        p = e.div_(tile.normalizer(e, c, sinks))  # (1, h, rows, S)
+        ut = u[t.at_b : t.at_b + 1, t.at_h][..., t.at_r].to(r.dtype)  # (1, h, F, rows)
+        out[t.at_b : t.at_b + 1, t.at_h] += torch.matmul(ut, p)
+    return out
+
+
+def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
+    """d(u^T P)/du given the upstream g (B', H', F, S): g P^T, (B', H', F, n)."""
+    B, H, n, _ = r.shape
+    out = torch.empty(B, H, g.shape[2], n, dtype=r.dtype, device=r.device)
+    for t, shifted, c, sinks in _each(r):
+        e = shifted.exp_()
+        p = e.div_(tile.normalizer(e, c, sinks))
+        gt = g[t.at_b : t.at_b + 1, t.at_h].to(r.dtype)  # (1, h, F, S)
+        out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, p.mT)
+    return out
+
+
+def max_logits(r: Rows) -> torch.Tensor:
+    """Each row's largest raw score (scale and float mask, no softcap), (B', H', n):
+    -inf where a row sees no key."""
+    B, H, n, _ = r.shape
+    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    raw = tile.Scoring(r.inputs.scale)  # before the softcap
+    for t in tiles(r, settings.get().chunk_bytes):
+        q, k, _, _, window = operands(r, t)
+        s = tile.exclude(tile.scores(q, k, raw), window)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = s.amax(dim=-1)
+    return out
+
+
+def pairs(inputs: Inputs, lse: torch.Tensor, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor:
+    """The weights at P (query, key) pairs, (B, Hq, P): qi, kj (1|B, P) positions among
+    the L queries and S keys, p = exp(s - lse) (a pair is a selection of one key)."""
+    q, k = inputs.query, inputs.key
+    B, H, L, E = q.shape
+    Hkv, S, P = k.shape[1], k.shape[2], qi.shape[-1]
+    q = q.gather(2, qi[:, None, :, None].expand(B, H, P, E))  # (B, H, P, E)
+    k = k.gather(2, kj[:, None, :, None].expand(B, Hkv, P, E))  # (B, Hkv, P, E)
+    s = tile.pair_scores(q, k, tile.Scoring.of(inputs))  # (B, H, P)
+    s = tile.exclude(s, tile.window_pairs(inputs.mask, inputs.causal, L, S, qi, kj))
+    lse = lse.gather(2, qi[:, None].expand(B, H, P))  # (B, H, P)
+    return tile.rebuild(s[..., None], lse)[..., 0]

@@ -22,7 +22,7 @@ from contextvars import ContextVar
 
 from sdpa.errors import SdpaTypeError, SdpaValueError
 
-__all__ = ["Settings", "get", "override"]
+__all__ = ["Settings", "get", "override", "using"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,5 +154,18 @@ def override(**changes: object) -> Iterator[Settings]:
     token = _CURRENT.set(new)
     try:
         yield new
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def using(tuning: Settings) -> Iterator[Settings]:
+    """Within the block, exactly these settings (a Settings from `get()` earlier): how
+    a backward pass runs with the settings of its forward, on autograd's threads."""
+    if not isinstance(tuning, Settings):
+        raise SdpaTypeError(f"settings.using takes a Settings, got {type(tuning).__name__}")
+    token = _CURRENT.set(tuning)
+    try:
+        yield tuning
     finally:
         _CURRENT.reset(token)

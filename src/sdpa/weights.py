@@ -1,15 +1,20 @@
 """AttentionWeights: the attention probabilities, rebuilt on demand from the LSE.
 
 A fused kernel returns the output and, per query row, the log-sum-exp of its scores.
-Any weight is then p_ij = exp(s_ij - lse_i) with s_ij = scale * q_i . k_j + bias_ij:
-rows cost one GEMM and one exp, and nothing L x S is kept between calls (`sdpa.rows`
-does the work, tile by tile). The entropy costs one more fused call instead:
-H_i = lse_i - sum_j p_ij s_ij = lse_i - scale * q_i . (P K)_i, and P K is attention
-with the keys as values.
+Any weight is then p_ij = exp(s_ij - lse_i) (sdpa.tile, the one tile rule): rows cost
+one GEMM and one exp, and nothing L x S is kept between calls (`sdpa.rows` does the
+work, tile by tile).
 
-On CUDA with triton installed, `sdpa.kernels` serves the statistics in single passes:
-entropy and row max from one flash-style pass, attention received per key from q, k
-and the LSE; the chunked engine stays the fallback (and the oracle in the tests).
+Each read lists its providers in order, each with one eligibility rule (`PROVIDERS`):
+
+    held      the weights themselves, where the small backend kept them (or they are
+              small enough to compute whole in one product)
+    triton    a single-pass Triton kernel (CUDA with triton: settings.kernel_devices)
+    fused     one more fused call: the entropy as lse - scale * q . (P K), attention
+              received as the LSE of the call with queries and keys swapped
+    rows      the rows engine, tile by tile: serves everything (the reference)
+
+The first provider whose rule holds answers; adding a read is one entry.
 """
 
 from __future__ import annotations
@@ -18,33 +23,31 @@ import contextlib
 import math
 import operator
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from sdpa import kernels, masks, rows, settings
+from sdpa import grads, kernels, masks, rows, settings, tile
 from sdpa.backends import small
 from sdpa.backends.reference import Reference
-from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
-from sdpa.errors import SdpaTypeError, SdpaValueError, StaleWeightsError
-from sdpa.inputs import Inputs, empty, no_autocast
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
+from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
+from sdpa.inputs import Inputs, check_flag, empty, no_autocast
 
 # Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
 FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
-# Where the Triton kernels serve (kernel_devices), the largest structured mask they
-# take materialised (kernel_mask_bytes) and the |lse| past which the received-attention
-# kernel's float32 subtraction has lost digits (kernel_lse_limit): sdpa.settings.
 
 
 def chunked_engine() -> contextlib.AbstractContextManager:
-    """Within it, every statistic comes from the chunked engine, on every device: the
+    """Within it, every statistic comes from the rows engine, on every device: the
     reference the Triton kernels are checked and timed against (this thread / task only:
     `sdpa.settings.override(kernel_devices=set())`)."""
     return settings.override(kernel_devices=frozenset())
 
 
 def version_of(t: object) -> int | None:
-    """t's version counter (bumped by every in-place write), or None where there is
-    none to read: an inference tensor, a structured mask (immutable), None."""
+    """t's version counter (bumped by every in-place write through torch), or None where
+    there is none to read: an inference tensor, a structured mask (immutable), None."""
     if not isinstance(t, torch.Tensor) or t.is_inference():
         return None
     return t._version
@@ -63,6 +66,24 @@ def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
         return version_of(q), version_of(k), version_of(mask)
 
 
+class MaxLogits(NamedTuple):
+    """AttentionWeights.max_logits(): each row's largest raw score (*lead, L) and the
+    largest over the rows (*lead): per head for inputs with heads."""
+
+    row: torch.Tensor
+    head: torch.Tensor
+
+
+class Provider(NamedTuple):
+    """One way to answer a read: its name, its one eligibility rule, its computation.
+    Both take the handle (compute also the read's arguments) and compute returns the
+    (B, Hq, ...) layout (or a tuple of them), or None where a kernel declined."""
+
+    name: str
+    serves: Callable[[AttentionWeights], bool]
+    compute: Callable[..., object]
+
+
 class AttentionWeights:
     """Lazy view of the attention weights, shape (*lead, L, S) (query heads for GQA).
 
@@ -70,12 +91,19 @@ class AttentionWeights:
     (..., Hq, L, S). Values are the softmax probabilities *before* dropout, in float32
     for 16-bit inputs. Rows that see no key are all 0.
 
-    The handle keeps q, k and the mask by reference, not by copy: if any of them is
-    modified in place after the call, every access raises StaleWeightsError rather than
-    answer for other inputs (tensors made under torch.inference_mode cannot be checked).
+    The handle keeps q, k and the mask by reference, not by copy. An in-place change
+    made through torch (k.mul_(2), a KV-cache write, resize_, set_) bumps their version
+    counters, and every access then raises StaleWeightsError rather than answer for
+    other inputs. Writes torch cannot see are not detected: through `.data`, a numpy
+    view (`t.numpy()`), or another tensor sharing the storage; nor are tensors made
+    under torch.inference_mode (they have no counter). Read the weights before such a
+    write, or pass a clone.
+
+    served_by: the backend and path that computed the call (e.g. "fused: one kernel
+    call"), as sdpa.explain describes them.
     """
 
-    __slots__ = ("_fused", "_inputs", "_lse", "_probs", "_versions")
+    __slots__ = ("_backend", "_frozen", "_fused", "_inputs", "_lse", "_probs", "_versions")
 
     def __init__(
         self,
@@ -83,40 +111,56 @@ class AttentionWeights:
         lse: torch.Tensor | None,
         fused: FusedRunner | None = None,
         probs: torch.Tensor | None = None,
+        backend: object = None,
+        frozen: bool = False,
     ):
         self._inputs = inputs
         self._lse = lse if lse is None or not lse.requires_grad else lse.detach()  # (B, Hq, L)
         self._fused = fused
-        # (B, Hq, L, S), detached, and its version: the weights themselves where a
-        # backend computed them (the small backend); dropped if changed in place
-        self._probs = None if probs is None else (probs, version_of(probs))
+        # (B, Hq, L, S), detached: the weights themselves where a backend computed them
+        # (the small backend) or one product did (_held); never handed out uncopied
+        self._probs = probs
         self._versions = _versions(inputs)
+        self._backend = backend  # the Backend that ran the call (None: made elsewhere)
+        self._frozen = frozen  # made under sdpa.frozen() from q / k that required grad
 
-    def _kept(self) -> torch.Tensor | None:
-        """The whole weights (B, Hq, L, S) if kept (handed over by the backend, or
-        computed by _held), unless someone changed them in place since: w.full()
-        returns them without a copy, so they are then dropped (and recomputed)."""
-        if self._probs is None:
-            return None
-        p, version = self._probs
-        if version_of(p) == version:
+    @property
+    def served_by(self) -> str:
+        """Which backend computed the call and how, e.g. "fused: one kernel call" (the
+        path as the backend decides it from these inputs; see sdpa.explain)."""
+        b = self._backend
+        if b is None:
+            return "not an attention call (weights made from an LSE)"
+        return f"{b.name}: {b.path(self._inputs)}"
+
+    # -- state ---------------------------------------------------------------------
+
+    def _held(self, grad: bool = False) -> torch.Tensor | None:
+        """The whole weights (B, Hq, L, S) if the backend kept them, else computed in
+        one product and kept where small (small.one_product), else None. With grad,
+        only weights inside the autograd graph (torch then differentiates every read of
+        them): computed with autograd where small."""
+        p = self._probs
+        if p is not None and (not grad or p.requires_grad):
             return p
-        self._probs = None
+        if small.one_product(self._inputs):
+            with torch.set_grad_enabled(grad), no_autocast(self.device.type):
+                p = small.probabilities(self._inputs)
+            self._probs = p
+            return p
         return None
 
-    def _held(self) -> torch.Tensor | None:
-        """_kept, else computed in one product and kept where small (small.one_product)."""
-        p = self._kept()
-        if p is None and small.one_product(self._inputs):
-            with torch.no_grad(), no_autocast(self.device.type):
-                p = small.probabilities(self._inputs)
-            self._probs = (p, version_of(p))
-        return p
-
-    def _hand_out(self, view: torch.Tensor) -> torch.Tensor:
-        """A view of the kept weights for the caller: as it is where a change in place
-        would be noticed, else (inference tensors have no version counter) a copy."""
-        return view if self._probs[1] is not None else view.clone()
+    def _needs(self, inputs: Inputs | None = None) -> grads.Needs | None:
+        """Which inputs a read must carry gradients to (None: no read needs any). The
+        weights of a call under sdpa.frozen() refuse: their q and k were detached."""
+        if self._frozen and torch.is_grad_enabled():
+            raise NotSupportedError(
+                "these weights come from a call under sdpa.frozen(): the pattern was held "
+                "constant, so its reads carry no gradient to q and k; read them under "
+                "torch.no_grad(), or make the call outside sdpa.frozen() to differentiate "
+                "them"
+            )
+        return grads.needs(self._inputs if inputs is None else inputs)
 
     def _log_sum_exp(self) -> torch.Tensor:
         """The LSE (B, Hq, L), computed on first use where the backend gave none."""
@@ -124,29 +168,6 @@ class AttentionWeights:
             with torch.no_grad(), no_autocast(self.device.type):
                 self._lse = Reference().forward(self._inputs._replace(dropout_p=0.0))[1]
         return self._lse
-
-    @property
-    def shape(self) -> torch.Size:
-        """Shape of the full weights, (*lead, L, S)."""
-        return torch.Size(self._inputs.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """float32 for 16-bit inputs, else the inputs' dtype."""
-        return self._inputs.compute_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._inputs.query.device
-
-    @property
-    def lse(self) -> torch.Tensor:
-        """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key."""
-        self._check_fresh()
-        return self._log_sum_exp().reshape(self.shape[:-1])
-
-    def __repr__(self) -> str:
-        return f"AttentionWeights(shape={tuple(self.shape)}, dtype={self.dtype}, lazy)"
 
     def _check_fresh(self) -> None:
         if _versions(self._inputs) == self._versions:
@@ -165,238 +186,38 @@ class AttentionWeights:
                 f"(e.g. before a KV-cache write or an optimizer step), or pass a clone"
             )
 
-    def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
-        """The dense weights, (*lead, L, S). Refuses, before allocating anything, when
-        they need more than max_bytes (None: no limit)."""
+    # -- properties ----------------------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the full weights, (*lead, L, S)."""
         self._check_fresh()
-        p = self._kept()  # (nothing to allocate: the budget needs no check within it)
-        if p is None or (max_bytes is not None and p.numel() * p.element_size() > max_bytes):
-            check_fits(
-                f"the dense weights in {self.dtype}",
-                tuple(self.shape),
-                torch.finfo(self.dtype).bits // 8,
-                max_bytes,
-                "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), "
-                "w.mean(dim=-2), w.entropy() and w.topk(k) work in O(chunk x S) memory; "
-                "or pass max_bytes=None",
+        return torch.Size(self._inputs.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """float32 for 16-bit inputs, else the inputs' dtype."""
+        return self._inputs.compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._inputs.query.device
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key.
+        Differentiable (dlse_i / ds_ij = p_ij)."""
+        self._check_fresh()
+        lse = self._log_sum_exp()
+        needs = self._needs()
+        if needs is not None and not self._shape_only:
+            lse = grads.read(
+                grads.Spec(self._inputs, lse, self._every_row(), grads.lse_rule(), needs, lse.clone)
             )
-            if self._shape_only:
-                return self._zeros(*self.shape[len(self._inputs.lead) :])
-            p = self._held()
-            if p is None:
-                with torch.no_grad(), no_autocast(self.device.type):  # every row at once
-                    return rows.dense(self._rows()).reshape(self.shape)  # (*lead, L, S)
-        # no copy (if the caller changes it, _kept notices)
-        return self._hand_out(p if len(self._inputs.lead) == 2 else p.reshape(self.shape))
+        return lse.reshape(self._inputs.shape[:-1])
 
-    def __getitem__(self, index: object) -> torch.Tensor:
-        """Only the selected rows, computed from the LSE: ints and slices address the
-        leading dims and the query dim, e.g. w[0, :, 5] -> (H, S), w[0, 1, 10:20] ->
-        (10, S). The key dim takes an int, a slice or a list / 1-D integer tensor of key
-        indices, and only those columns are computed: w[0, :, :, j] -> (H, L) and
-        w[..., [j1, j2]] -> (..., L, 2) cost O(L x |J|), not O(L x S)."""
-        self._check_fresh()
-        i = self._inputs
-        lead, L, S = i.lead, i.query.shape[-2], i.key.shape[-2]
-        *lead_idx, q_idx, k_idx = _normalize_index(index, self.shape)
-        if self._shape_only:
-            return self._zeros(*self.shape[len(lead) :])[(*lead_idx, q_idx)][..., k_idx]
-        held = self._held()
-        if held is not None:  # a view of the weights the backend kept
-            picked = held.reshape(self.shape)[(*lead_idx, q_idx)][..., k_idx]
-            return self._hand_out(picked)
-        has_heads = len(lead) >= 2  # 4-D+ inputs: lead is (*batch, Hq)
-        batch, batch_idx = (lead[:-1], lead_idx[:-1]) if has_heads else (lead, lead_idx)
-        head_idx = lead_idx[-1] if has_heads else slice(None)
-        sizes = [
-            len(range(*_as_slice(j).indices(n))) for j, n in zip(batch_idx, batch, strict=True)
-        ]
-
-        def pick(t: torch.Tensor, heads: slice | None, rows: slice | None) -> torch.Tensor:
-            """(B|1, H|1, L, ...) -> the selected (B', H', n, ...), as a view."""
-            t = t.expand(math.prod(batch), *t.shape[1:])  # (B, H|1, L, ...)
-            t = t.reshape(*batch, *t.shape[1:])[tuple(_as_slice(j) for j in batch_idx)]
-            t = t.reshape(math.prod(sizes), *t.shape[len(batch) :])  # (B', H|1, L, ...)
-            if heads is not None and t.shape[1] != 1:
-                t = t[:, heads]
-            return t if rows is None else t[:, :, rows]
-
-        heads, rows_ = _as_slice(head_idx), _as_slice(q_idx)
-        lse = pick(self._log_sum_exp()[..., None], heads, rows_)[..., 0]  # (B', H', n)
-        # a selection of keys, unless every key is asked for, or a row needs every key
-        every_key = (
-            isinstance(k_idx, slice) and range(*k_idx.indices(S)) == range(S)
-        ) or rows.needs_every_key(lse)
-        k_pos = None if every_key else _key_positions(k_idx, S, i.key.device)  # (m,)
-        k = _key_heads(
-            pick(i.key, None, None), i.query.shape[1], i.group, heads
-        )  # (B', Hkv', S, E)
-        q_pos = torch.arange(L, device=i.query.device)[rows_]
-        mask = i.mask
-        if isinstance(mask, masks.Mask):  # materialise just the selected rows and keys
-            keys = torch.arange(S, device=q_pos.device) if k_pos is None else k_pos
-            mask = mask.keep(q_pos, keys, L, S)[:, None]
-            mask = pick(mask, heads, None)  # (B', 1, n, m)
-        elif mask is not None:
-            mask = pick(mask, heads, rows_)  # (B'|1, H'|1, n, S)
-            mask = mask if k_pos is None else mask.index_select(-1, k_pos)  # (..., n, m)
-        selection = rows.Rows(
-            pick(i.query, heads, rows_),  # (B', H', n, E)
-            k if k_pos is None else k.index_select(2, k_pos),  # (B', Hkv', m, E)
-            lse,
-            mask,
-            q_pos,
-            i.causal,
-            L,
-            i.scale,
-            i.compute_dtype,
-            i.softcap,
-            None
-            if i.sinks is None
-            else pick(
-                i.sinks.detach(), heads, None if i.sinks.shape[-1] == 1 else rows_
-            ),  # (B', H', n|1)
-            k_pos,
-            None if k_pos is None else S,
-        )
-        with torch.no_grad(), no_autocast(self.device.type):
-            p = rows.dense(selection)  # (B', H', n, S|m)
-        # int indices drop their dim, as in torch
-        p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, S|m)
-        drop = [*batch_idx, head_idx, q_idx] if has_heads else [*batch_idx, 0, q_idx]
-        p = p[tuple(0 if isinstance(d, int) else slice(None) for d in drop)]
-        if k_pos is None:
-            return p[..., k_idx]
-        return p[..., 0] if isinstance(k_idx, int) else p
-
-    def pairs(self, q_index: object, k_index: object) -> torch.Tensor:
-        """The weights at chosen (query, key) pairs, computed from q, k and the LSE in
-        O(|lead| x P x E): w.pairs(i, j)[..., p] == w.full()[..., i[p], j[p]].
-
-        q_index, k_index: integer tensors (or lists) of one shape, (P,) for pairs shared
-        by every lead index, or (B, P) for pairs per batch element (inputs with exactly
-        one batch dim B, the weights' first dim). Returns (*lead, P). Head fingerprints
-        (previous-token, duplicate-token, induction scores) are sums of such pairs."""
-        self._check_fresh()
-        i = self._inputs
-        B, Hq, L, _ = i.query.shape
-        S = i.key.shape[2]
-        batched = len(i.lead) == 2 or (len(i.lead) == 1 and i.query.shape[1] == 1)
-        qi, kj = _pair_indices(q_index, k_index, L, S, B if batched else None, self.device)
-        P = qi.shape[-1]
-        if self._shape_only:
-            return self._zeros(P)
-        held = self._held()
-        if held is not None:  # (B, Hq, L, S): gather the pairs
-            flat = (qi * S + kj)[:, None].expand(B, Hq, P)  # (B, Hq, P)
-            return held.reshape(B, Hq, L * S).gather(-1, flat).reshape(*i.lead, P)
-        with torch.no_grad(), no_autocast(self.device.type):
-            p = rows.pair_probabilities(self._rows(), qi, kj)  # (B, Hq, P)
-        return p.reshape(*i.lead, P)
-
-    def diagonal(self, offset: int = 0) -> torch.Tensor:
-        """The weights w[..., i, i + offset], as torch.diagonal(w.full(), offset, dim1=-2,
-        dim2=-1): (*lead, n), n the number of such (query, key) pairs. offset=-1 is each
-        query's weight on the previous token. O(|lead| x n x E)."""
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise SdpaTypeError(
-                f"offset must be an int (key index minus query index), got {offset!r} "
-                f"({type(offset).__name__})"
-            )
-        L, S = self.shape[-2], self.shape[-1]
-        first = max(0, -offset)
-        last = min(L, S - offset)  # exclusive
-        q_index = torch.arange(first, max(first, last))
-        return self.pairs(q_index, q_index + offset)
-
-    def sum(self, dim: int = -2) -> torch.Tensor:
-        """Attention each key receives, summed over the queries: (*lead, S).
-
-        Only dim=-2 (over the queries): over the keys every row sums to 1 (0 for a row
-        that sees no key)."""
-        self._check_query_dim(dim, "sum")
-        self._check_fresh()
-        i = self._inputs
-        if self._shape_only:
-            return self._zeros(i.key.shape[2])
-        held = self._held()
-        if held is not None:
-            return held.sum(dim=-2).reshape(*i.lead, i.key.shape[2])
-        with torch.no_grad(), no_autocast(self.device.type):
-            sums = self._received_kernel()
-            if sums is None:
-                sums = self._received_fused()
-            if sums is None:
-                sums = rows.key_sums(self._rows())
-        return sums.reshape(*i.lead, i.key.shape[2])
-
-    def mean(self, dim: int = -2) -> torch.Tensor:
-        """sum(dim=-2) divided by the number of queries L: (*lead, S)."""
-        self._check_query_dim(dim, "mean")
-        return self.sum(dim) / max(1, self._inputs.query.shape[-2])
-
-    def entropy(self) -> torch.Tensor:
-        """-sum_j p_ij ln p_ij for each query, in nats: (*lead, L); 0 for rows that see
-        no key."""
-        self._check_fresh()
-        i = self._inputs
-        if self._shape_only:
-            return self._zeros(i.query.shape[2])
-        held = self._held()
-        if held is not None:  # -sum p ln p; p = 0 adds 0 * ln(tiny) = 0 (torch's entr is
-            # 3x slower on CPU)
-            logp = held.clamp_min(torch.finfo(held.dtype).tiny).log_()
-            h = logp.mul_(held).sum(dim=-1).neg_()
-            return h.reshape(*i.lead, i.query.shape[2])
-        with torch.no_grad(), no_autocast(self.device.type):
-            h = self._stats_kernel("entropy")
-            if h is None:
-                h = self._entropy_fused()
-            if h is None:
-                h = rows.entropy(self._rows())
-        return h.reshape(*i.lead, i.query.shape[2])
-
-    def amax(self, dim: int = -1) -> torch.Tensor:
-        """The largest weight of each query row, like torch.amax(w, dim=-1): (*lead, L);
-        0 for rows that see no key. Only dim=-1 (over the keys)."""
-        if dim not in (-1, len(self.shape) - 1):
-            raise SdpaValueError(
-                f"amax works over the keys, dim=-1 (-> (..., L): each query's largest "
-                f"weight), got dim={dim}; for the queries a key attends most, use "
-                f"w[...] rows or w.sum(dim=-2)"
-            )
-        self._check_fresh()
-        i = self._inputs
-        if self._shape_only:
-            return self._zeros(i.query.shape[2])
-        held = self._held()
-        if held is not None:
-            return held.amax(dim=-1).reshape(*i.lead, i.query.shape[2])
-        with torch.no_grad(), no_autocast(self.device.type):
-            top = self._stats_kernel("amax")
-            if top is None:
-                top = rows.topk(self._rows(), 1)[0][..., 0]  # (B, Hq, L)
-        return top.reshape(*i.lead, i.query.shape[2])
-
-    def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k largest weights of each query row and their key indices, like
-        torch.topk(w, k, dim=-1): (values, indices), each (*lead, L, k). Rows that see
-        no key give values 0."""
-        i = self._inputs
-        S = i.key.shape[-2]
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= S:
-            raise SdpaValueError(f"k must be an int in [0, S={S}], got {k!r}")
-        self._check_fresh()
-        L = i.query.shape[2]
-        if self._shape_only:
-            return self._zeros(L, k), self._zeros(L, k, dtype=torch.long)
-        held = self._held()
-        if held is not None:
-            values, indices = held.topk(k, dim=-1)
-            return values.reshape(*i.lead, L, k), indices.reshape(*i.lead, L, k)
-        with torch.no_grad(), no_autocast(self.device.type):
-            values, indices = rows.topk(self._rows(), k)
-        return values.reshape(*i.lead, L, k), indices.reshape(*i.lead, L, k)
+    def __repr__(self) -> str:
+        return f"AttentionWeights(shape={tuple(self._inputs.shape)}, dtype={self.dtype}, lazy)"
 
     @property
     def _shape_only(self) -> bool:
@@ -413,134 +234,754 @@ class AttentionWeights:
         dtype = self.dtype if dtype is None else dtype
         return torch.zeros((*self._inputs.lead, *tail), dtype=dtype, device=self.device)
 
+    def _lead(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, Hq, ...) -> (*lead, ...)."""
+        lead = self._inputs.lead
+        return t if len(lead) == 2 else t.reshape(*lead, *t.shape[2:])
+
+    def _provide(self, read: str, *args: object, held: bool = True) -> object:
+        """The answer of the first provider of `read` whose rule holds (the last, the
+        rows engine, always does; a fused provider may still find the kernel unable),
+        without autograd."""
+        with torch.no_grad(), no_autocast(self.device.type):
+            for provider in PROVIDERS[read]:
+                if (held or provider.name != "held") and provider.serves(self):
+                    answer = provider.compute(self, *args)
+                    if answer is not None:
+                        return answer
+        raise AssertionError(f"no provider answered {read}")  # the rows engine always does
+
+    def _read(
+        self,
+        read: str,
+        *args: object,
+        rule: Callable[[object], grads.Rule],
+        selection: rows.Rows | None = None,
+    ) -> object:
+        """A read's answer, carrying its gradient where q, k, a float mask or the sinks
+        require grad: through torch's own ops on weights kept inside the autograd graph,
+        else through grads.read (the tile-by-tile backward of `rule(value)`)."""
+        needs = self._needs()
+        if needs is None:
+            return self._provide(read, *args)
+        held = self._held(grad=True)
+        if held is not None:  # in the graph: torch differentiates the read
+            with no_autocast(self.device.type):
+                return PROVIDERS[read][0].compute(self, *args)
+        value = self._provide(read, *args, held=False)
+        spec = grads.Spec(
+            self._inputs,
+            self._log_sum_exp(),
+            self._every_row() if selection is None else selection,
+            rule(value),
+            needs,
+            lambda: value[0] if isinstance(value, tuple) else value,
+        )
+        out = grads.read(spec)
+        return (out, value[1]) if isinstance(value, tuple) else out
+
+    # -- reads ---------------------------------------------------------------------
+
+    def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
+        """The dense weights, (*lead, L, S): a tensor of your own (editing it changes
+        nothing here). Refuses, before allocating anything, when they need more than
+        max_bytes (None: no limit)."""
+        max_bytes = check_max_bytes(max_bytes)
+        self._check_fresh()
+        check_fits(
+            f"the dense weights in {self.dtype}",
+            tuple(self._inputs.shape),
+            torch.finfo(self.dtype).bits // 8,
+            max_bytes,
+            "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), "
+            "w.mean(dim=-2), w.entropy() and w.topk(k) work in O(chunk x S) memory; "
+            "or pass max_bytes=None",
+        )
+        if self._shape_only:
+            return self._zeros(*self._inputs.shape[len(self._inputs.lead) :])
+        return self._lead(self._read("full", rule=lambda _: grads.rows_rule(rows.ALL)))
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        """Only the selected weights, computed from the LSE: ints and slices address the
+        leading dims; the query dim takes an int, a slice or a list / 1-D integer tensor
+        or array of query positions, and so does the key dim, e.g. w[0, :, 5] -> (H, S),
+        w[0, 1, 10:20] -> (10, S), w[0, :, :, j] -> (H, L), w[..., [j1, j2]] ->
+        (..., L, 2). A selection of rows costs O(rows x S), of keys O(L x keys)."""
+        self._check_fresh()
+        selection = _Selection.of(index, self._inputs)
+        if self._shape_only:
+            return selection.apply(self._zeros(*self._inputs.shape[len(self._inputs.lead) :]))
+        needs = self._needs()
+        held = self._held(grad=needs is not None)
+        if held is not None:  # a copy of the selected weights the backend kept
+            return selection.apply(held.reshape(self._inputs.shape)).clone()
+        return selection.read(self._inputs, self._log_sum_exp(), needs)
+
+    def pairs(self, q_index: object, k_index: object) -> torch.Tensor:
+        """The weights at chosen (query, key) pairs, computed from q, k and the LSE in
+        O(|lead| x P x E): w.pairs(i, j)[..., p] == w.full()[..., i[p], j[p]].
+
+        q_index, k_index: integer tensors (or lists) of one shape, (P,) for pairs shared
+        by every lead index, or (B, P) for pairs per batch element (inputs with exactly
+        one batch dim B, the weights' first dim). Returns (*lead, P). Head fingerprints
+        (previous-token, duplicate-token, induction scores) are sums of such pairs."""
+        self._check_fresh()
+        i = self._inputs
+        B, Hq, L, _ = i.query.shape
+        S = i.key.shape[2]
+        batched = len(i.lead) == 2 or (len(i.lead) == 1 and Hq == 1)
+        qi, kj = _pair_indices(q_index, k_index, L, S, B if batched else None, self.device)
+        P = qi.shape[-1]
+        if self._shape_only:
+            return self._zeros(P)
+        needs = self._needs()
+        held = self._held(grad=needs is not None)
+        if held is not None:  # (B, Hq, L, S): gather the pairs
+            flat = (qi * S + kj)[:, None].expand(B, Hq, P)  # (B, Hq, P)
+            return self._lead(held.reshape(B, Hq, L * S).gather(-1, flat))
+        lse = self._log_sum_exp()
+        with torch.no_grad(), no_autocast(self.device.type):
+            p = rows.pairs(i, lse, qi, kj)  # (B, Hq, P)
+        if needs is not None:
+            value = p
+            rule = grads.pairs_rule(qi, kj, S)
+            p = grads.read(grads.Spec(i, lse, self._every_row(), rule, needs, lambda: value))
+        return self._lead(p)
+
+    def diagonal(self, offset: int = 0) -> torch.Tensor:
+        """The weights w[..., i, i + offset], as torch.diagonal(w.full(), offset, dim1=-2,
+        dim2=-1): (*lead, n), n the number of such (query, key) pairs. offset=-1 is each
+        query's weight on the previous token. O(|lead| x n x E)."""
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise SdpaTypeError(
+                f"offset must be an int (key index minus query index), got {offset!r} "
+                f"({type(offset).__name__})"
+            )
+        L, S = self.shape[-2], self.shape[-1]
+        first = max(0, -offset)
+        last = min(L, S - offset)  # exclusive
+        q_index = torch.arange(first, max(first, last))
+        return self.pairs(q_index, q_index + offset)
+
+    def kl(
+        self, other: AttentionWeights | torch.Tensor, reverse: bool = False, head_map=None
+    ) -> torch.Tensor:
+        """The KL divergence between other weights and these, per query row, in nats:
+        (*lead, L). w.kl(t) = KL(t || w) = sum_j t_ij ln(t_ij / w_ij), the distillation
+        loss with w the student and t the teacher; reverse=True gives KL(w || t).
+
+        other: AttentionWeights over the same batch, queries and keys (its own q, k,
+        mask and heads), or a dense target tensor broadcasting to (*lead, L, S).
+        head_map: for weights with other heads, which of other's query heads each of
+        these heads is compared with (a list or 1-D integer tensor of length Hq).
+        Differentiable into both sides as they require grad, tile by tile (never
+        L x S): into w, g (w - t) (forward) or g w (ln w - ln t - KL) (reverse)."""
+        check_flag("reverse", reverse)
+        self._check_fresh()
+        i = self._inputs
+        mine = self._every_row()
+        if isinstance(other, AttentionWeights):
+            other._check_fresh()
+            o_inputs, o_lse = _aligned(other, head_map, i)
+            theirs = rows.Rows.every(o_inputs, o_lse)
+
+            def other_tile(t):
+                return rows.log_weights(theirs, t)
+        elif isinstance(other, torch.Tensor):
+            if head_map is not None:
+                raise SdpaValueError(
+                    "head_map applies to AttentionWeights; a dense target "
+                    "already has these weights' heads (*lead, L, S)"
+                )
+            target = _dense_target(other, i)  # (B|1, Hq|1, L, S)
+            theirs = None
+
+            def other_tile(t):
+                return _target_tile(target, t).log()
+        else:
+            raise SdpaTypeError(
+                f"kl takes AttentionWeights or a dense target tensor (*lead, L, S), got "
+                f"{type(other).__name__}"
+            )
+        if self._shape_only:
+            return self._zeros(i.query.shape[2])
+        with torch.no_grad(), no_autocast(self.device.type):
+            value = rows.kl(mine, other_tile, reverse)  # (B, Hq, L)
+        sides, extras = [], []
+        needs = self._needs()
+        if needs is not None:
+            rule = grads.kl_rule(other_tile, weighs=reverse)
+            sides.append(grads.Side(i, self._log_sum_exp(), mine, rule, needs))
+        if theirs is not None and (o_needs := other._needs(theirs.inputs)) is not None:
+
+            def my_tile(t):
+                return rows.log_weights(mine, t)
+
+            rule = grads.kl_rule(my_tile, weighs=not reverse)
+            sides.append(grads.Side(theirs.inputs, theirs.lse, theirs, rule, o_needs))
+        if theirs is None and torch.is_grad_enabled() and other.requires_grad:
+            extras.append((other, _target_grad(mine, target, other, reverse)))
+        if sides or extras:
+            value = grads.read_sides(lambda v=value: v, sides, extras)
+        return self._lead(value)
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        """w @ x: P X for x broadcasting to (*lead, S, F) -> (*lead, L, F), in the
+        weights' dtype: the attention of these queries and keys with x as the values
+        (one fused call, differentiable in q, k, x, a float mask and the sinks; never
+        L x S). Rollout, span mass and value-weighted reads are such products."""
+        self._check_fresh()
+        i = self._inputs
+        xb = _per_head(x, i, "x", -2)  # (B, Hq, S, F)
+        held = self._held(grad=self._needs() is not None or xb.requires_grad)
+        if held is not None:
+            return self._lead(torch.matmul(held, xb.to(held.dtype)))
+        from sdpa.backends import select  # (the registry imports this module's layer)
+
+        key = i.key if i.group == 1 else i.key.repeat_interleave(i.group, dim=1)  # (B,Hq,S,E)
+        run = i._replace(key=key, value=xb.to(i.query.dtype), dropout_p=0.0)
+        with no_autocast(self.device.type):
+            out = select(run).run(run)[0]  # (B, Hq, L, F)
+        return self._lead(out.to(self.dtype))
+
+    def __rmatmul__(self, u: torch.Tensor) -> torch.Tensor:
+        """u @ w: u^T P for u broadcasting to (*lead, F, L) -> (*lead, F, S) (u of shape
+        (..., L) gives (*lead, S)): weights summed over queries with weights of your
+        own, e.g. one step of attention rollout. Tile by tile, never L x S;
+        differentiable in u, q, k, a float mask and the sinks."""
+        self._check_fresh()
+        i = self._inputs
+        vector = isinstance(u, torch.Tensor) and u.ndim == 1
+        ub = _per_head(u[None] if vector else u, i, "u", -1)  # (B, Hq, F, L)
+        S = i.key.shape[2]
+        needs = self._needs()
+        held = self._held(grad=needs is not None or ub.requires_grad)
+        if held is not None:
+            out = torch.matmul(ub.to(held.dtype), held)
+        elif self._shape_only:
+            out = torch.zeros(*ub.shape[:-1], S, dtype=self.dtype, device=self.device)
+        else:
+            r = self._every_row()
+            with torch.no_grad(), no_autocast(self.device.type):
+                out = rows.weighted_rows(r, ub.detach())  # (B, Hq, F, S)
+            extras = []
+            if torch.is_grad_enabled() and ub.requires_grad:
+                extras.append((ub, lambda g, r=r: rows.weighted_rows_grad(r, g)))
+            if needs is not None or extras:
+                sides = []
+                if needs is not None:
+                    rule = grads.weighted_rows_rule(ub.detach())
+                    sides.append(grads.Side(i, self._log_sum_exp(), r, rule, needs))
+                out = grads.read_sides(lambda v=out: v, sides, extras)
+        out = self._lead(out)
+        return out[..., 0, :] if vector else out
+
+    def max_logits(self) -> MaxLogits:
+        """The largest raw score of each query row, after the scale and any float mask,
+        before the softcap and the softmax: MaxLogits(row (*lead, L), head (*lead)), head
+        the maximum over the rows (what QK-clip / MuonClip read at every step). -inf for
+        rows that see no key. One pass of q k^T on CPU, tile by tile. Forward only: it
+        refuses to run where its inputs require grad (compute it under torch.no_grad())."""
+        self._check_fresh()
+        i = self._inputs
+        if self._needs() is not None:
+            raise NotSupportedError(
+                "max_logits is forward only (no gradient): call it under torch.no_grad(), "
+                "as QK-clip reads it outside the loss"
+            )
+        if self._shape_only:
+            row = torch.full((*i.lead, i.query.shape[2]), -torch.inf, device=self.device)
+        else:
+            row = self._lead(self._provide("max_logits"))
+        head = row.amax(dim=-1) if row.shape[-1] else row.new_full(row.shape[:-1], -torch.inf)
+        return MaxLogits(row, head)
+
+    def sum(self, dim: int = -2) -> torch.Tensor:
+        """Attention each key receives, summed over the queries: (*lead, S).
+
+        Only dim=-2 (over the queries): over the keys every row sums to 1 (0 for a row
+        that sees no key)."""
+        self._check_query_dim(dim, "sum")
+        self._check_fresh()
+        if self._shape_only:
+            return self._zeros(self._inputs.key.shape[2])
+        return self._lead(self._read("sum", rule=lambda _: grads.key_sums_rule()))
+
+    def mean(self, dim: int = -2) -> torch.Tensor:
+        """sum(dim=-2) divided by the number of queries L: (*lead, S)."""
+        self._check_query_dim(dim, "mean")
+        return self.sum(dim) / max(1, self._inputs.query.shape[-2])
+
+    def entropy(self) -> torch.Tensor:
+        """-sum_j p_ij ln p_ij for each query, in nats: (*lead, L); 0 for rows that see
+        no key."""
+        self._check_fresh()
+        if self._shape_only:
+            return self._zeros(self._inputs.query.shape[2])
+        return self._lead(self._read("entropy", rule=lambda _: grads.entropy_rule()))
+
+    def amax(self, dim: int = -1) -> torch.Tensor:
+        """The largest weight of each query row, like torch.amax(w, dim=-1): (*lead, L);
+        0 for rows that see no key. Only dim=-1 (over the keys)."""
+        if dim not in (-1, len(self._inputs.shape) - 1):
+            raise SdpaValueError(
+                f"amax works over the keys, dim=-1 (-> (..., L): each query's largest "
+                f"weight), got dim={dim}; for the queries a key attends most, use "
+                f"w[...] rows or w.sum(dim=-2)"
+            )
+        self._check_fresh()
+        if self._shape_only:
+            return self._zeros(self._inputs.query.shape[2])
+        return self._lead(self._read("amax", rule=grads.amax_rule))
+
+    def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest weights of each query row and their key indices, like
+        torch.topk(w, k, dim=-1): (values, indices), each (*lead, L, k). Rows that see
+        no key give values 0."""
+        i = self._inputs
+        S = i.key.shape[-2]
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= S:
+            raise SdpaValueError(f"k must be an int in [0, S={S}], got {k!r}")
+        self._check_fresh()
+        if self._shape_only:
+            L = i.query.shape[2]
+            return self._zeros(L, k), self._zeros(L, k, dtype=torch.long)
+        values, indices = self._read("topk", k, rule=lambda v: grads.topk_rule(v[1]))
+        return self._lead(values), self._lead(indices)
+
     def _check_query_dim(self, dim: int, what: str) -> None:
-        if dim not in (-2, len(self.shape) - 2):
+        if dim not in (-2, len(self._inputs.shape) - 2):
             raise SdpaValueError(
                 f"{what} works over the queries, dim=-2 (-> (..., S): attention each key "
                 f"receives), got dim={dim}; over the keys (dim=-1) every row sums to 1"
             )
 
-    def _rows(self) -> rows.Rows:
-        i = self._inputs
-        L = i.query.shape[-2]
-        q_pos = torch.arange(L, device=i.query.device)
-        sinks = None if i.sinks is None else i.sinks.detach()
-        return rows.Rows(
-            i.query, i.key, self._log_sum_exp(), i.mask, q_pos, i.causal, L, i.scale,
-            i.compute_dtype,
-            i.softcap, sinks,
-        )  # fmt: skip
+    def _every_row(self) -> rows.Rows:
+        return rows.Rows.every(self._inputs, self._log_sum_exp())
 
-    def _kernel_args(self) -> tuple | None:
-        """(q, k, mask tensor or None, causal) for the Triton kernels, or None where they
-        can't serve: not on the settings' kernel_devices, triton missing, an unsupported
-        dtype or head size, or a structured mask over kernel_mask_bytes."""
-        i = self._inputs
-        tuning = settings.get()
-        if self.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
+
+# -- providers -----------------------------------------------------------------------
+
+
+def _has_held(w: AttentionWeights) -> bool:
+    return w._held() is not None
+
+
+def _always(w: AttentionWeights) -> bool:
+    return True
+
+
+def _kernel_args(w: AttentionWeights) -> tuple | None:
+    """(q, k, mask tensor or None, causal) for the Triton kernels, or None where they
+    can't serve: not on the settings' kernel_devices, triton missing, an unsupported
+    dtype or head size, a softcap or sinks, or a structured mask over kernel_mask_bytes."""
+    i = w._inputs
+    tuning = settings.get()
+    if w.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
+        return None
+    if i.softcap is not None or i.sinks is not None:  # the kernels score plain q . k
+        return None
+    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
+    L, S = i.query.shape[2], i.key.shape[2]
+    if isinstance(mask, masks.Mask):
+        if (mask.batch or 1) * L * S > tuning.kernel_mask_bytes:
             return None
-        if i.softcap is not None or i.sinks is not None:  # the kernels score plain q . k
-            return None
-        mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
-        L, S = i.query.shape[2], i.key.shape[2]
-        if isinstance(mask, masks.Mask):
-            if (mask.batch or 1) * L * S > tuning.kernel_mask_bytes:
-                return None
-            mask = masks.as_4d(mask.materialize(L, S, self.device, max_bytes=None))  # (B|1,1,L,S)
-        return i.query, i.key, mask, causal
+        mask = masks.as_4d(mask.materialize(L, S, w.device, max_bytes=None))  # (B|1,1,L,S)
+    return i.query, i.key, mask, causal
 
-    def _stats_kernel(self, which: str) -> torch.Tensor | None:
-        """Entropy or row max (B, Hq, L) from the one-pass Triton kernel, or None."""
-        args = self._kernel_args()
-        if args is None:
-            return None
-        from sdpa.kernels.stats import forward_stats  # imports triton
 
-        q, k, mask, causal = args
-        scale = self._inputs.scale
-        _, _, entropy, top = forward_stats(q, k, None, mask, causal=causal, scale=scale)
-        return entropy if which == "entropy" else top
+def _triton_serves(w: AttentionWeights) -> bool:
+    return _kernel_args(w) is not None
 
-    def _received_kernel(self) -> torch.Tensor | None:
-        """Attention received per key (B, Hq, S) from the Triton kernel, or None."""
-        args = self._kernel_args()
-        limit = settings.get().kernel_lse_limit
-        if args is None or bool((self._log_sum_exp().abs() > limit).any()):
-            return None
-        from sdpa.kernels.received import received  # imports triton
 
-        q, k, mask, causal = args
-        return received(q, k, self._log_sum_exp(), mask, causal=causal, scale=self._inputs.scale)
+def _triton_stats(w: AttentionWeights, which: str) -> torch.Tensor:
+    """Entropy or row max (B, Hq, L) from the one-pass Triton kernel (Q K^T only, the
+    LSE as the shift, rows normalised by their own sum)."""
+    from sdpa.kernels.entropy import entropy_and_max  # imports triton
 
-    def _received_fused(self) -> torch.Tensor | None:
-        """Attention received per key (B, Hq, S) from one fused call with queries and
-        keys swapped, or None where it does not apply.
+    q, k, mask, causal = _kernel_args(w)
+    entropy, top = entropy_and_max(
+        q, k, w._log_sum_exp(), mask, causal=causal, scale=w._inputs.scale
+    )
+    return entropy if which == "entropy" else top
 
-        sum_i p_ij = exp(log sum_i exp(s_ij - lse_i)): the LSE of an attention whose
-        queries are the keys. With the LSE folded into one more column,
-        scale * [k_j, 1] . [q_i, -lse_i / scale] = scale * q_i . k_j - lse_i, so the
-        swapped call needs no bias beyond the mask's transpose; under top-left causality
-        (key j is seen by queries i >= j) both sequences are reversed and the kernel
-        runs its own causal path. Serves where the fused kernel runs, without softcap
-        or sinks, with no mask, the top-left causal one (L == S) or a tensor mask that is
-        the same for every query (key padding: its transpose is one column, so nothing
-        L x S is allocated), and |lse| <= fold_lse_limit (the folded column then keeps
-        float32 error < 1e-5)."""
-        i = self._inputs
-        L, S = i.query.shape[2], i.key.shape[2]
-        mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
-        per_key = mask is None or (  # key padding: the same row for every query
-            isinstance(mask, torch.Tensor) and (mask.shape[-2] == 1 or mask.stride(-2) == 0)
+
+def _triton_logits_serves(w: AttentionWeights) -> bool:
+    """The max-logits kernel scores raw q . k (before any softcap; sinks are no key's
+    score), so only the device, triton and the mask's size decide."""
+    i = w._inputs
+    tuning = settings.get()
+    if w.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
+        return False
+    mask = i.mask
+    L, S = i.query.shape[2], i.key.shape[2]
+    return not (
+        isinstance(mask, masks.Mask)
+        and not i.causal_only
+        and (mask.batch or 1) * L * S > tuning.kernel_mask_bytes
+    )
+
+
+def _triton_logits(w: AttentionWeights) -> torch.Tensor:
+    """Each row's largest raw score (B, Hq, L) from the one-pass Triton kernel."""
+    from sdpa.kernels.logits import max_logits  # imports triton
+
+    i = w._inputs
+    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
+    L, S = i.query.shape[2], i.key.shape[2]
+    if isinstance(mask, masks.Mask):
+        mask = masks.as_4d(mask.materialize(L, S, w.device, max_bytes=None))  # (B|1,1,L,S)
+    return max_logits(i.query, i.key, mask, causal=causal, scale=i.scale)[0]
+
+
+def _triton_received_serves(w: AttentionWeights) -> bool:
+    """The received kernel's float32 subtraction s - lse loses digits past
+    kernel_lse_limit (a huge finite bias): those calls go to the rows engine."""
+    limit = settings.get().kernel_lse_limit
+    return _triton_serves(w) and not bool((w._log_sum_exp().abs() > limit).any())
+
+
+def _triton_received(w: AttentionWeights) -> torch.Tensor:
+    """Attention received per key (B, Hq, S) from the Triton kernel."""
+    from sdpa.kernels.received import received  # imports triton
+
+    q, k, mask, causal = _kernel_args(w)
+    return received(q, k, w._log_sum_exp(), mask, causal=causal, scale=w._inputs.scale)
+
+
+def _fused_received_serves(w: AttentionWeights) -> bool:
+    """The swapped call serves where the fused kernel runs, without softcap or sinks, at
+    a non-zero scale, with no mask, the top-left causal one (L == S) or a tensor mask
+    that is the same for every query (key padding: its transpose is one column), and
+    |lse| <= fold_lse_limit (the folded column then keeps float32 error < 1e-5)."""
+    i = w._inputs
+    L, S = i.query.shape[2], i.key.shape[2]
+    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
+    per_key = mask is None or (  # key padding: the same row for every query
+        isinstance(mask, torch.Tensor) and (mask.shape[-2] == 1 or mask.stride(-2) == 0)
+    )
+    return (
+        w._fused is not None
+        and per_key
+        and not (causal and (L != S or mask is not None))
+        and i.softcap is None
+        and i.sinks is None
+        and i.scale != 0
+        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
+    )
+
+
+def _fused_received(w: AttentionWeights) -> torch.Tensor | None:
+    """Attention received per key (B, Hq, S) from one fused call with queries and keys
+    swapped: sum_i p_ij = exp(log sum_i exp(s_ij - lse_i)), the LSE of an attention
+    whose queries are the keys. With the LSE folded into one more column,
+    scale * [k_j, 1] . [q_i, -lse_i / scale] = scale * q_i . k_j - lse_i, so the swapped
+    call needs no bias beyond the mask's transpose; under top-left causality (key j is
+    seen by queries i >= j) both sequences are reversed and the kernel runs its own
+    causal path."""
+    i = w._inputs
+    L, S = i.query.shape[2], i.key.shape[2]
+    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
+    cd = i.compute_dtype
+    k = i.key.to(cd).repeat_interleave(i.group, dim=1)  # (B, Hq, S, E)
+    swapped_q = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hq, S, E+1)
+    lse = (-w._log_sum_exp() / i.scale)[..., None].to(cd)  # (B, Hq, L, 1)
+    swapped_k = torch.cat([i.query.to(cd).expand(*lse.shape[:-1], -1), lse], dim=-1)
+    if causal:  # (B, Hq, L, E+1): reversed, key j sees swapped keys i >= j
+        swapped_q, swapped_k = swapped_q.flip(2), swapped_k.flip(2)
+    seen = None
+    if mask is not None:  # one row (B|1, Hq|1, 1, S), seen by the swapped queries
+        row = mask[..., :1, :]
+        seen = row[..., 0, :] if row.dtype == torch.bool else ~torch.isneginf(row[..., 0, :])
+        mask = row.transpose(-2, -1).expand(*row.shape[:-2], S, L)  # (B|1, Hq|1, S, L)
+    nothing = swapped_k.new_zeros(*swapped_k.shape[:-1], 1)  # only the LSE is read
+    ran = w._fused(
+        i._replace(
+            query=swapped_q, key=swapped_k, value=nothing, mask=mask, causal=causal,
+            dropout_p=0.0,
         )
-        if (
-            self._fused is None
-            or not per_key
-            or (causal and (L != S or mask is not None))
-            or i.softcap is not None
-            or i.sinks is not None
-            or bool((self._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
-        ):
-            return None
-        cd = i.compute_dtype
-        k = i.key.to(cd).repeat_interleave(i.group, dim=1)  # (B, Hq, S, E)
-        swapped_q = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hq, S, E+1)
-        lse = (-self._log_sum_exp() / i.scale)[..., None].to(cd)  # (B, Hq, L, 1)
-        swapped_k = torch.cat([i.query.to(cd).expand(*lse.shape[:-1], -1), lse], dim=-1)
-        if causal:  # (B, Hq, L, E+1): reversed, key j sees swapped keys i >= j
-            swapped_q, swapped_k = swapped_q.flip(2), swapped_k.flip(2)
-        seen = None
-        if mask is not None:  # one row (B|1, Hq|1, 1, S), seen by the swapped queries
-            row = mask[..., :1, :]
-            seen = row[..., 0, :] if row.dtype == torch.bool else ~torch.isneginf(row[..., 0, :])
-            mask = row.transpose(-2, -1).expand(*row.shape[:-2], S, L)  # (B|1, Hq|1, S, L)
-        nothing = swapped_k.new_zeros(*swapped_k.shape[:-1], 1)  # only the LSE is read
-        ran = self._fused(
-            i._replace(
-                query=swapped_q, key=swapped_k, value=nothing, mask=mask, causal=causal,
-                dropout_p=0.0,
-            )
-        )  # fmt: skip
-        if ran is None:
-            return None
-        sums = ran[1].exp()  # (B, Hq, S)
-        if seen is not None:  # a key no query sees came back with the kernel's lse 0
-            sums = sums.masked_fill(~seen, 0.0)
-        return sums.flip(-1) if causal else sums
+    )  # fmt: skip
+    if ran is None:
+        return None
+    sums = ran[1].exp()  # (B, Hq, S)
+    if seen is not None:  # a key no query sees came back with the kernel's lse 0
+        sums = sums.masked_fill(~seen, 0.0)
+    return sums.flip(-1) if causal else sums
 
-    def _entropy_fused(self) -> torch.Tensor | None:
-        """H_i = lse_i - scale * q_i . (P K)_i with one fused call (keys as values); None
-        where the fused kernel can't serve, an additive mask needs sum_j p_ij b_ij, or a
-        softcap or sinks break the identity."""
-        i = self._inputs
-        additive = isinstance(i.mask, torch.Tensor) and i.mask.dtype != torch.bool
-        if self._fused is None or additive or i.softcap is not None or i.sinks is not None:
-            return None  # the identity needs rows summing to 1 and sum_j p_ij s_ij = q . PK
-        q, k = i.query.to(i.compute_dtype), i.key.to(i.compute_dtype)
-        ran = self._fused(i._replace(query=q, key=k, value=k, dropout_p=0.0))
-        if ran is None:
-            return None
-        pk, lse = ran  # (B, Hq, L, E), (B, Hq, L)
-        return lse - i.scale * (q * pk).sum(dim=-1)
+
+def _fused_entropy_serves(w: AttentionWeights) -> bool:
+    """The identity H_i = lse_i - scale * q_i . (P K)_i needs rows summing to 1 and
+    sum_j p_ij s_ij = scale * q_i . (P K)_i: no additive mask, softcap or sinks; finite
+    keys (0 * inf in P K would make every row NaN); and |lse| <= fold_lse_limit (past
+    it the difference lse - scale q . PK cancels the entropy's digits)."""
+    i = w._inputs
+    additive = isinstance(i.mask, torch.Tensor) and i.mask.dtype != torch.bool
+    return (
+        w._fused is not None
+        and not additive
+        and i.softcap is None
+        and i.sinks is None
+        and i.key.is_cpu  # (the checks below read the host)
+        and bool(torch.isfinite(i.key).all())
+        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
+    )
+
+
+def _fused_entropy(w: AttentionWeights) -> torch.Tensor | None:
+    i = w._inputs
+    q, k = i.query.to(i.compute_dtype), i.key.to(i.compute_dtype)
+    ran = w._fused(i._replace(query=q, key=k, value=k, dropout_p=0.0))
+    if ran is None:
+        return None
+    pk, lse = ran  # (B, Hq, L, E), (B, Hq, L)
+    return lse - i.scale * (q * pk).sum(dim=-1)
+
+
+def _held_entropy(w: AttentionWeights) -> torch.Tensor:
+    """-sum p ln p of the kept weights; p = 0 adds 0 * ln(tiny) = 0 (torch's entr is 3x
+    slower on CPU); a NaN row stays NaN."""
+    held = w._held()
+    logp = held.clamp_min(torch.finfo(held.dtype).tiny).log()
+    if held.requires_grad and torch.is_grad_enabled():  # (out of place: autograd reads them)
+        return -(logp * held).sum(dim=-1)
+    return logp.mul_(held).sum(dim=-1).neg_()
+
+
+PROVIDERS: dict[str, tuple[Provider, ...]] = {
+    "full": (
+        Provider("held", _has_held, lambda w: w._held().clone()),
+        Provider("rows", _always, lambda w: rows.dense(w._every_row())),
+    ),
+    "sum": (
+        Provider("held", _has_held, lambda w: w._held().sum(dim=-2)),
+        Provider("triton", _triton_received_serves, _triton_received),
+        Provider("fused", _fused_received_serves, _fused_received),
+        Provider("rows", _always, lambda w: rows.key_sums(w._every_row())),
+    ),
+    "entropy": (
+        Provider("held", _has_held, _held_entropy),
+        Provider("triton", _triton_serves, lambda w: _triton_stats(w, "entropy")),
+        Provider("fused", _fused_entropy_serves, _fused_entropy),
+        Provider("rows", _always, lambda w: rows.entropy(w._every_row())),
+    ),
+    "amax": (
+        Provider("held", _has_held, lambda w: w._held().amax(dim=-1)),
+        Provider("triton", _triton_serves, lambda w: _triton_stats(w, "amax")),
+        Provider("rows", _always, lambda w: rows.amax(w._every_row())),
+    ),
+    "topk": (
+        Provider("held", _has_held, lambda w, k: w._held().topk(k, dim=-1)),
+        Provider("rows", _always, lambda w, k: rows.topk(w._every_row(), k)),
+    ),
+    "max_logits": (
+        Provider("triton", _triton_logits_serves, _triton_logits),
+        Provider("rows", _always, lambda w: rows.max_logits(w._every_row())),
+    ),
+}
+"""Each read's providers, in order: the first whose rule (`serves`) holds answers."""
+
+
+# -- indexing ------------------------------------------------------------------------
+
+
+class _Selection(NamedTuple):
+    """An index of the weights in named parts: the leading dims' ints or slices, the
+    query rows and the keys (an int, a slice or a tensor of positions each)."""
+
+    lead_items: tuple[int | slice, ...]
+    q_item: int | slice | torch.Tensor
+    k_item: int | slice | torch.Tensor
+
+    @classmethod
+    def of(cls, index: object, inputs: Inputs) -> _Selection:
+        *lead_items, q_item, k_item = _normalize_index(index, torch.Size(inputs.shape))
+        return cls(tuple(lead_items), q_item, k_item)
+
+    def apply(self, p: torch.Tensor) -> torch.Tensor:
+        """The selection of dense weights (*lead, L, S), as torch indexes them (rows
+        first, then keys: two position lists select their outer product)."""
+        return p[(*self.lead_items, self.q_item)][..., self.k_item]
+
+    def read(self, inputs: Inputs, lse: torch.Tensor, needs: grads.Needs | None) -> torch.Tensor:
+        """The selected weights, computed: only these rows and keys (their backward,
+        where needs says so, reads every key of these rows)."""
+        batch, heads, sizes = self._lead_parts(inputs)
+        device = inputs.query.device
+        q_rows, keys = _part(self.q_item, device), _part(self.k_item, device)
+        if isinstance(keys, slice) and range(*keys.indices(inputs.key.shape[2])) == range(
+            inputs.key.shape[2]
+        ):
+            keys = rows.ALL
+        r = rows.Rows(inputs, lse, batch, heads, q_rows, keys)
+        with torch.no_grad(), no_autocast(device.type):
+            if not r.complete and rows.needs_every_key(_selected_lse(r)):
+                p = rows.dense(r._replace(keys=rows.ALL))[..., keys]  # such rows: read whole
+            else:
+                p = rows.dense(r)  # (B', H', n, m)
+        if needs is not None:
+            value = p
+            p = grads.read(grads.Spec(inputs, lse, r, grads.rows_rule(keys), needs, lambda: value))
+        p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, m)
+        has_heads = len(inputs.lead) >= 2
+        drop = [*self.lead_items, self.q_item] if has_heads else [*self.lead_items, 0, self.q_item]
+        p = p[tuple(0 if isinstance(d, int) else slice(None) for d in drop)]  # ints drop dims
+        return p[..., 0] if isinstance(self.k_item, int) else p
+
+    def _lead_parts(self, inputs: Inputs) -> tuple[range, range, list[int]]:
+        """(batch elements among the B flattened ones, query heads, the sizes of the
+        selected batch dims)."""
+        lead = inputs.lead
+        has_heads = len(lead) >= 2
+        batch = lead[:-1] if has_heads else lead
+        batch_items = self.lead_items[:-1] if has_heads else self.lead_items
+        head_item = self.lead_items[-1] if has_heads else slice(None)
+        flat = torch.arange(math.prod(batch)).reshape(batch)[tuple(map(_as_slice, batch_items))]
+        heads = range(inputs.query.shape[1])[_as_slice(head_item)]
+        return _as_range(flat.reshape(-1)), heads, list(flat.shape)
+
+
+def _part(item: int | slice | torch.Tensor, device: torch.device) -> slice | torch.Tensor:
+    """A query or key index as the rows engine takes it: a slice or positions on device."""
+    return item.to(device) if isinstance(item, torch.Tensor) else _as_slice(item)
+
+
+def _selected_lse(r: rows.Rows) -> torch.Tensor:
+    """The LSE of a selection's rows, (B', H', n)."""
+    lse = r.lse[_range_slice(r.batch)][:, _range_slice(r.heads)]
+    return tile.cut(lse, 2, r.rows)
+
+
+def _range_slice(r: range) -> slice:
+    return slice(r.start, r.stop, r.step)
+
+
+def _as_range(flat: torch.Tensor) -> range:
+    """A 1-D tensor of increasing, evenly spaced indices as a range (batch selections
+    made of ints and slices always are)."""
+    if flat.numel() == 0:
+        return range(0)
+    first = int(flat[0])
+    step = int(flat[1] - flat[0]) if len(flat) > 1 else 1
+    return range(first, first + step * len(flat), step)
+
+
+def _as_slice(index: int | slice) -> slice:
+    return slice(index, index + 1) if isinstance(index, int) else index
+
+
+def _per_head(x: object, mine: Inputs, name: str, dim: int) -> torch.Tensor:
+    """A tensor of the user's (..., X, Y) broadcast to the weights' leading dims and laid
+    out (B, Hq, X, Y) (a view where it can be; differentiable)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise SdpaTypeError(f"{name} must be a floating tensor of 2+ dims, got {got}")
+    lead = mine.lead
+    n = mine.key.shape[2] if dim == -2 else mine.query.shape[2]
+    if x.shape[dim] != n:
+        what = "S (the keys)" if dim == -2 else "L (the queries)"
+        raise SdpaValueError(
+            f"{name}'s dim {dim} must be {what} = {n}, got {name} of shape {tuple(x.shape)}"
+        )
+    try:
+        full = torch.broadcast_to(x, (*lead, *x.shape[-2:]))
+    except RuntimeError as e:
+        raise SdpaValueError(
+            f"{name} of shape {tuple(x.shape)} does not broadcast to the weights' leading "
+            f"dims {tuple(lead)}"
+        ) from e
+    B, Hq = mine.query.shape[:2]
+    return full.reshape(B, Hq, *x.shape[-2:]).to(x.device)
+
+
+def _aligned(
+    other: AttentionWeights, head_map: object, mine: Inputs
+) -> tuple[Inputs, torch.Tensor]:
+    """other's inputs and LSE laid out with these weights' query heads: head h of ours
+    meets head head_map[h] of theirs (h itself without a map), each with its own key
+    head (no grouping left); gathered with autograd, so gradients reach other's own
+    tensors summed over the heads that share them."""
+    o = other._inputs
+    B, Hq, L, _ = mine.query.shape
+    S = mine.key.shape[2]
+    if o.query.shape[0] != B or o.query.shape[2] != L or o.key.shape[2] != S:
+        raise SdpaValueError(
+            f"kl needs weights over the same batch, queries and keys: these are "
+            f"{tuple(mine.shape)}, the other {tuple(o.shape)}"
+        )
+    Ho = o.query.shape[1]
+    if head_map is None:
+        if Ho != Hq:
+            raise SdpaValueError(
+                f"these weights have {Hq} heads and the other {Ho}: pass head_map, a list of "
+                f"{Hq} of the other's heads (e.g. [h * {Ho} // {Hq} for h in range({Hq})])"
+            )
+        index = torch.arange(Hq)
+    else:
+        index = _index_list(head_map, Ho, "head_map")
+        if index is None or len(index) != Hq:
+            raise SdpaValueError(
+                f"head_map must list one of the other's {Ho} heads for each of these {Hq} "
+                f"heads, got {head_map!r}"
+            )
+    index = index.to(o.query.device)
+    mask = o.mask
+    if isinstance(mask, torch.Tensor) and mask.shape[1] > 1:
+        mask = mask.index_select(1, index)
+    sinks = None if o.sinks is None else o.sinks.index_select(1, index)
+    inputs = o._replace(
+        query=o.query.index_select(1, index),  # (B, Hq, L, E')
+        key=o.key.index_select(1, index // o.group),  # (B, Hq, S, E')
+        value=o.value.index_select(1, index // o.group),
+        mask=mask,
+        sinks=sinks,
+        lead=mine.lead,
+    )
+    return inputs, other._log_sum_exp().index_select(1, index)
+
+
+def _dense_target(target: torch.Tensor, mine: Inputs) -> torch.Tensor:
+    """A dense target of probabilities broadcasting to the weights' (*lead, L, S), as
+    (B|1, Hq|1, L, S)."""
+    shape = mine.shape
+    if not target.is_floating_point() or target.ndim > len(shape):
+        raise SdpaTypeError(
+            f"a dense KL target is a floating tensor broadcasting to {tuple(shape)}, got "
+            f"{target.dtype} {tuple(target.shape)}"
+        )
+    try:
+        full = torch.broadcast_to(target, shape)
+    except RuntimeError as e:
+        raise SdpaValueError(
+            f"the KL target {tuple(target.shape)} does not broadcast to the weights' "
+            f"shape {tuple(shape)}"
+        ) from e
+    B, Hq, L, S = mine.query.shape[0], mine.query.shape[1], shape[-2], shape[-1]
+    return full.reshape(B, Hq, L, S).to(mine.compute_dtype)
+
+
+def _target_tile(target: torch.Tensor, t: rows.Tile) -> torch.Tensor:
+    """A dense target's slice for one tile, (1, h, rows, S)."""
+    hs = slice(t.heads.start, t.heads.stop, t.heads.step)
+    return tile.cut(target[t.b : t.b + 1, hs], 2, t.q_rows)
+
+
+def _target_grad(mine: rows.Rows, target: torch.Tensor, original: torch.Tensor, reverse: bool):
+    """dKL / d(target) as a function of the upstream gradient (B, Hq, L): forward KL(T ||
+    P): g (ln T + 1 - ln P); reverse KL(P || T): -g P / T. Dense, as the target is."""
+
+    def grad_of(g: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+        for t in rows.tiles(mine, settings.get().chunk_bytes):
+            logp = rows.log_weights(mine, t)
+            q = _target_tile(target, t)
+            gt = g[t.at_b : t.at_b + 1, t.at_h, t.at_r][..., None]
+            part = -gt * logp.exp() / q if reverse else gt * (torch.log(q) + 1.0 - logp)
+            hs = slice(t.heads.start, t.heads.stop, t.heads.step)
+            tile.cut(out[t.b : t.b + 1, hs], 2, t.q_rows).copy_(part)
+        full = out.reshape(mine.inputs.shape)  # (*lead, L, S)
+        return full.sum_to_size(original.shape).to(original.dtype)
+
+    return grad_of
 
 
 def _pair_indices(
@@ -550,7 +991,7 @@ def _pair_indices(
     one shape, (P,) or (B, P) (B given only for inputs with one batch dim), in range."""
     out = []
     for name, index, size in (("q_index", q_index, L), ("k_index", k_index, S)):
-        t = _key_list(index, size, name, 2)
+        t = _index_list(index, size, name, 2)
         if t is None:
             raise SdpaTypeError(
                 f"{name} must be an integer tensor or list of positions, (P,) or (B, P), "
@@ -569,34 +1010,11 @@ def _pair_indices(
             f"{f' ({B})' if B is not None else ' (these inputs have no single batch dim)'}, "
             f"got q_index {tuple(qi.shape)}; pass (P,) for pairs shared by every batch element"
         )
-    rows = qi.shape[0] if qi.ndim == 2 else 1
-    return qi.reshape(rows, qi.shape[-1]).to(device), kj.reshape(rows, kj.shape[-1]).to(device)
+    n = qi.shape[0] if qi.ndim == 2 else 1
+    return qi.reshape(n, qi.shape[-1]).to(device), kj.reshape(n, kj.shape[-1]).to(device)
 
 
-def _key_heads(k: torch.Tensor, Hq: int, group: int, heads: slice) -> torch.Tensor:
-    """The key heads that query heads `heads` use (query head h uses key head
-    h // group, Inputs.group): a view when the slice covers whole groups, else one key
-    head per selected query head."""
-    start, stop, step = heads.indices(Hq)
-    if group == 1:
-        return k[:, heads]
-    if step == 1 and start % group == 0 and stop % group == 0:
-        return k[:, start // group : max(start, stop) // group]
-    return k[:, torch.arange(Hq)[heads] // group]
-
-
-def _as_slice(index: int | slice) -> slice:
-    return slice(index, index + 1) if isinstance(index, int) else index
-
-
-def _key_positions(index: int | slice | torch.Tensor, S: int, device: torch.device) -> torch.Tensor:
-    """The positions (m,) that a key-dim index selects among S keys."""
-    if isinstance(index, torch.Tensor):
-        return index.to(device)
-    return torch.arange(S, device=device)[_as_slice(index)]
-
-
-def _key_list(
+def _index_list(
     item: object, size: int, what: str = "the key dim", max_ndim: int = 1
 ) -> torch.Tensor | None:
     """A list, range or integer tensor / array (1-D, or up to max_ndim dims) of indices
@@ -632,22 +1050,24 @@ def _key_list(
 
 def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | torch.Tensor]:
     """One int (non-negative, in range) or slice (positive step) per dim of `shape`; the
-    key dim (the last) may also be a (m,) int64 tensor of key indices."""
+    query and key dims (the last two) may also be (m,) int64 tensors of positions."""
     items = list(index) if isinstance(index, tuple) else [index]
-    if sum(item is Ellipsis for item in items) > 1:
+    ellipses = [n for n, item in enumerate(items) if item is Ellipsis]  # (identity: arrays)
+    if len(ellipses) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
+    if ellipses:
+        at = ellipses[0]
         items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
     if len(items) > len(shape):
         raise IndexError(f"too many indices for weights of shape {tuple(shape)}: got {len(items)}")
     items += [slice(None)] * (len(shape) - len(items))
-    out: list[int | slice] = []
+    out: list[int | slice | torch.Tensor] = []
     for dim, (item, size) in enumerate(zip(items, shape, strict=True)):
-        if dim == len(shape) - 1:
-            keys = _key_list(item, size)
-            if keys is not None:
-                out.append(keys)
+        if dim >= len(shape) - 2:  # the query and key dims also take lists of positions
+            what = "the key dim" if dim == len(shape) - 1 else "the query dim"
+            positions = _index_list(item, size, what)
+            if positions is not None:
+                out.append(positions)
                 continue
         tensor_with_dims = isinstance(item, torch.Tensor) and item.ndim > 0
         if (
@@ -660,9 +1080,9 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | tor
         if isinstance(item, bool) or not isinstance(item, int | slice):
             raise SdpaTypeError(
                 f"AttentionWeights takes ints, slices and '...' as indices (they choose which "
-                f"rows to compute; the key dim also a list or 1-D integer tensor of keys), got "
-                f"{type(item).__name__} for dim {dim}; index the resulting tensor for anything "
-                f"else"
+                f"rows to compute; the query and key dims also a list or 1-D integer tensor "
+                f"of positions), got {type(item).__name__} for dim {dim}; index the "
+                f"resulting tensor for anything else"
             )
         if isinstance(item, int):
             if not -size <= item < size:

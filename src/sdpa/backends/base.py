@@ -27,6 +27,13 @@ class Backend:
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def path(self, inputs: Inputs) -> str:
+        """How this backend computes `inputs`, in a few words (AttentionWeights.served_by,
+        sdpa.explain)."""
+        return self.summary
+
+    summary: str = ""
+
     def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What `attention` calls: (output, lse, weights). A backend that computes the
         weights anyway returns them (B, Hq, L, S), detached, and may leave lse None;

@@ -11,13 +11,12 @@ one call, so outputs, LSEs and gradients are exact with no merging step.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
-from sdpa import masks
-from sdpa.inputs import Inputs, known
+from sdpa import masks, tile
+from sdpa.inputs import Inputs
 
 BLOCK_Q, BLOCK_K = 256, 64
 
@@ -97,99 +96,23 @@ def plan(occ: torch.Tensor, L: int, S: int) -> list[Piece]:
 
 
 def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:
-    """Bool keep-mask of one piece, (B|1, H|1, q1 - q0, k1 - k0)."""
-    dev = inputs.query.device
-    q_pos = torch.arange(piece.q0, piece.q1, device=dev)
-    k_pos = torch.arange(piece.k0, piece.k1, device=dev)
-    L, S = inputs.query.shape[2], inputs.key.shape[2]
+    """Bool keep-mask of one piece, (B|1, H|1, q1 - q0, k1 - k0): the tile rule's window."""
     mask = inputs.mask
-    out = None
-    if isinstance(mask, masks.Mask):
-        out = mask.keep(q_pos, k_pos, L, S)[:, None]  # (Bm, 1, r, c)
-        out = out if out.shape[0] == 1 else out[piece.batch]
-    elif mask is not None:
-        m = mask if mask.shape[0] == 1 else mask[piece.batch]
-        out = m[:, :, piece.q0 : piece.q1, piece.k0 : piece.k1]
-    if inputs.causal:
-        band = masks.visible_grid(q_pos, k_pos)[None, None]  # (1, 1, r, c) top-left
-        out = band if out is None else out & band
+    if isinstance(mask, torch.Tensor) and mask.shape[0] > 1:
+        mask = mask[piece.batch]
+    L, S = inputs.query.shape[2], inputs.key.shape[2]
+    rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
+    out = tile.window(mask, inputs.causal, L, S, rows, keys, inputs.query.device)
+    if isinstance(inputs.mask, masks.Mask) and out.shape[0] > 1:
+        out = out[piece.batch]
     return out
-
-
-# The additive forms of the last few bool masks seen (a model's layers share one mask
-# per forward): (data_ptr, on CPU, shape, strides, dtype) -> (the mask view, its version, the
-# bias). The entry holds the mask, so no other tensor can take its memory while cached;
-# a changed version (an in-place write) misses. Only masks whose storage is at most
-# ADDITIVE_CACHE_BYTES are kept, at most ADDITIVE_CACHE_ENTRIES of them.
-ADDITIVE_CACHE_ENTRIES = 4
-ADDITIVE_CACHE_BYTES = 2**20
-_additive_cache: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
-
-
-def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Keep-mask (bool) -> additive 0/-inf in `dtype`; float masks pass through.
-
-    Converts only the distinct entries: broadcast (stride-0) dims stay broadcast, so a
-    (B, 1, 1, S) key-padding mask costs O(B*S), not O(B*L*S). The same small mask
-    (unchanged in place) is converted once (see ADDITIVE_CACHE_ENTRIES).
-    """
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    if (
-        torch.compiler.is_compiling()
-        or mask.is_inference()
-        or mask.untyped_storage().nbytes() > ADDITIVE_CACHE_BYTES
-    ):
-        return _additive(mask, dtype)
-    key = (mask.data_ptr(), mask.is_cpu, mask.shape, mask.stride(), dtype)
-    hit = _additive_cache.get(key)
-    if hit is not None and hit[1] == mask._version:
-        return hit[2]
-    bias = _additive(mask, dtype)
-    if len(_additive_cache) >= ADDITIVE_CACHE_ENTRIES:
-        del _additive_cache[next(iter(_additive_cache))]  # the oldest
-    _additive_cache[key] = (mask, mask._version, bias)
-    return bias
-
-
-def causal_bias(L: int, S: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The top-left causal mask (L, S) in additive form: 0 where query i sees key j
-    (masks.visible), -inf elsewhere. Small ones are built once per (L, S, dtype, device)
-    (a model's layers and steps share them); treat the result as read-only."""
-    if L * S * 8 > ADDITIVE_CACHE_BYTES or torch.compiler.is_compiling():
-        return _causal_bias(L, S, dtype, device)
-    return _cached_causal_bias(L, S, dtype, device)
-
-
-def _causal_bias(L, S, dtype, device) -> torch.Tensor:
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(masks.top_left(L, S, device), zero, zero - torch.inf)  # (L, S)
-
-
-@functools.lru_cache(maxsize=ADDITIVE_CACHE_ENTRIES)
-def _cached_causal_bias(L, S, dtype, device) -> torch.Tensor:
-    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever the mode
-        return _causal_bias(L, S, dtype, device)
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    base = distinct(mask)
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    bias = torch.where(base, zero, zero - torch.inf)  # one pass, no inverted copy
-    return bias.expand(mask.shape)
-
-
-def distinct(t: torch.Tensor) -> torch.Tensor:
-    """The entries a broadcast view repeats: each stride-0 dim cut to size 1 (a view)."""
-    sizes = [1 if known(st == 0) else n for n, st in zip(t.shape, t.stride(), strict=True)]
-    return t.as_strided(sizes, t.stride())
 
 
 def _tensor_blocks(mask: torch.Tensor) -> torch.Tensor:
     """(Bm, nQ, nK) occupancy of a bool mask (Bm|1, H|1, L, S), read on its distinct
     entries (a broadcast (B, 1, 1, S) padding mask costs O(B*S)), merged over heads."""
     L, S = mask.shape[2:]
-    base = distinct(mask)
+    base = tile.distinct(mask)
     occ = masks.occupancy(
         base, BLOCK_Q if base.shape[2] == L else 1, BLOCK_K if base.shape[3] == S else 1
     )  # (Bm', Hm', nQ', nK')

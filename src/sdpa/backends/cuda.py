@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from sdpa import masks
-from sdpa.backends import aten, blocks
-from sdpa.inputs import compute_dtype
+from sdpa import tile
+from sdpa.backends import aten
 
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3  # torch.nn.attention.SDPBackend values
 HEAD_ALIGN = 8  # torch's CUDA kernels take head sizes in multiples of 8
@@ -52,11 +51,11 @@ def _bias(mask, causal: bool, dtype: torch.dtype, shape: tuple[int, ...], device
     aligned rows (a view, stride 0 where broadcast), rows that see no key set to 0;
     dead (B|1, H|1, L|1, 1) bool marks those rows."""
     B, H, L, S = shape
-    base = blocks.distinct(mask) if mask is not None else None  # (Bm, Hm, Lm, Sm)
+    base = tile.distinct(mask) if mask is not None else None  # (Bm, Hm, Lm, Sm)
     if causal:
-        causal_bias = blocks.causal_bias(L, S, dtype if base is None else base.dtype, device)
+        causal_bias = tile.causal_bias(L, S, dtype if base is None else base.dtype, device)
         base = causal_bias[None, None] if base is None else base + causal_bias  # (.., L, S)
-    dead = ~(base > -torch.inf).any(dim=-1, keepdim=True)  # (Bm, Hm, Lm, 1)
+    dead = tile.sees_no_key(base)  # (Bm, Hm, Lm, 1)
     padded = -(-S // BIAS_ALIGN) * BIAS_ALIGN
     buf = torch.empty(*base.shape[:-1], padded, dtype=dtype, device=device)[..., :S]
     buf.copy_(base.expand(*base.shape[:-1], S).masked_fill(dead, 0.0))  # (Bm, Hm, Lm, S)
@@ -98,16 +97,13 @@ def _cudnn(q, k, v, bias, causal, scale):
 
 
 def _math(q, k, v, bias, causal, scale):
-    """The listing in plain torch, float32 softmax for 16-bit inputs; differentiable."""
-    cd = compute_dtype(q.dtype)
-    s = torch.matmul(q.to(cd), k.to(cd).transpose(-2, -1)) * scale  # (B, H, L, S)
-    if bias is not None:
-        s = s + bias.to(cd)
-    if causal:
-        s = s.masked_fill(~masks.top_left(*s.shape[-2:], s.device), -torch.inf)
-    lse = torch.logsumexp(s.detach(), dim=-1)  # (B, H, L)
-    out = torch.matmul(torch.softmax(s, dim=-1), v.to(cd)).to(q.dtype)  # (B, H, L, D)
-    return out, lse
+    """The listing in plain torch by the tile rule, float32 softmax for 16-bit inputs;
+    differentiable."""
+    L, S = q.shape[2], k.shape[2]
+    window = tile.window(bias, causal, L, S, device=q.device)  # (.., L, S)
+    s = tile.exclude(tile.scores(q, k, tile.Scoring(scale)), window)  # (B, H, L, S)
+    p, lse = tile.finish(s)
+    return tile.values(p, v).to(q.dtype), lse  # (B, H, L, D), (B, H, L)
 
 
 _RUN = {FLASH: _flash, EFFICIENT: _efficient, CUDNN: _cudnn}

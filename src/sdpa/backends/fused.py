@@ -9,7 +9,7 @@ registered, so autograd works through it. On CUDA, `sdpa.backends.cuda` runs the
 flash / memory-efficient / cuDNN op torch itself would pick (head sizes padded to a
 multiple of 8, as torch pads them). `_KERNELS` is keyed by device type; block skipping
 works the same on every device. Attention sinks (`sdpa.masks.sinks`) correct each
-call's output and LSE exactly (`_add_sinks`); a softcap cannot run here.
+call's output and LSE exactly (`tile.add_sinks`); a softcap cannot run here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from sdpa import masks
+from sdpa import masks, tile
 from sdpa.backends import aten, blocks, cuda
 from sdpa.backends.base import Backend
 from sdpa.backends.reference import Reference
@@ -45,40 +45,36 @@ def _cpu_kernel(
     return _CpuSinks.apply(q, k, v, mask, causal, scale, sinks)
 
 
-def _add_sinks(out, lse, sinks):
-    """A sink logit z per (batch, head) is a key with score z and value 0: it adds e^z
-    to each row's softmax denominator, so lse' = logaddexp(lse, z) and the output
-    shrinks by e^(lse - lse') = sigmoid(lse - z)."""
-    lse_s = torch.logaddexp(lse, sinks)  # (B, Hq, L)
-    return out * torch.exp(lse - lse_s)[..., None].to(out.dtype), lse_s
-
-
 class _CpuSinks(torch.autograd.Function):
     """torch's CPU flash kernel with sinks, differentiable in q, k, v and the sinks.
 
-    Backward: the kernel's own backward given the sink-corrected out' and lse' is exact,
-    because the sink's value is 0 (it adds nothing to dP and D_i = dO_i . out'_i); the
-    sink's gradient is -sum_i p_sink_i D_i, p_sink_i = exp(z - lse'_i)."""
+    Forward: the kernel's (out, lse), the sink merged on top (tile.add_sinks: out' =
+    out * sigma, sigma = exp(lse - lse'), lse' = logaddexp(lse, z)). Backward: the
+    kernel's own backward given out' and lse' is exact, because the sink's value is 0
+    (it adds nothing to dP and D_i = dO_i . out'_i); the sink's gradient is
+    -sum_i p_sink_i D_i, p_sink_i = exp(z - lse'_i), with D_i = sigma_i (dO_i . out_i)
+    in float32 from the kernel's own output (one rounding, not two, in 16-bit)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, sinks):
-        out, lse = aten.CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-        out, lse = _add_sinks(out, lse, sinks.detach())
-        ctx.save_for_backward(q, k, v, mask, out, lse, sinks)
+        raw, lse = aten.CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        out, lse_s = tile.add_sinks(raw, lse, sinks.detach())
+        sigma = torch.exp(lse - lse_s)  # (B, Hq, L), float32
+        ctx.save_for_backward(q, k, v, mask, raw, out, lse_s, sigma, sinks)
         ctx.causal, ctx.scale = causal, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(lse_s)
+        return out, lse_s
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, mask, out, lse, sinks = ctx.saved_tensors
+        q, k, v, mask, raw, out, lse, sigma, sinks = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = aten.CPU_FLASH_BACKWARD(
             dout, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale
         )
         dsinks = None
         if ctx.needs_input_grad[6]:
-            D = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, Hq, L)
+            D = sigma * (dout.to(lse.dtype) * raw.to(lse.dtype)).sum(-1)  # (B, Hq, L)
             dsinks = -(torch.exp(sinks - lse) * D)  # (B, Hq, L)
             if sinks.shape[-1] == 1:  # one logit per head
                 dsinks = dsinks.sum(-1, keepdim=True)  # (B, Hq, 1)
@@ -89,7 +85,7 @@ def _cuda_kernel(q, k, v, mask, causal, scale, sinks=None):
     """cuda.kernel, with sinks applied to its result (not_supported_reasons keeps
     gradients away: they would miss the LSE's share)."""
     out, lse = cuda.kernel(q, k, v, mask, causal, scale)
-    return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
+    return (out, lse) if sinks is None else tile.add_sinks(out, lse, sinks)
 
 
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -124,13 +120,10 @@ def _run_pieces(
         qp = q[p.batch, :, p.q0 : p.q1]  # (b, Hq, r, D)
         sinks = sink_rows(inputs.sinks, slice(p.q0, p.q1))
         sinks = None if sinks is None else sinks[p.batch]  # (b, Hq, r|1)
-        if p.k1 == p.k0:  # sees no key: output 0, lse 0 (before any sink)
-            out = qp.new_zeros(*qp.shape[:-1], v.shape[-1])
-            lse = qp.new_zeros(qp.shape[:-1], dtype=inputs.compute_dtype)
-            if sinks is not None:
-                lse = torch.logaddexp(lse, sinks.detach())
+        if p.k1 == p.k0:  # sees no key: the tile rule's convention
+            out, lse = tile.no_keys(qp, v.shape[-1], sinks, inputs.compute_dtype)
         else:
-            mask = blocks.additive(blocks.keep(inputs, p), q.dtype) if p.masked else None
+            mask = tile.additive(blocks.keep(inputs, p), q.dtype) if p.masked else None
             kp, vp = k[p.batch, :, p.k0 : p.k1], v[p.batch, :, p.k0 : p.k1]
             out, lse = kernel(qp, kp, vp, mask, False, inputs.scale, sinks)
         groups.setdefault((p.batch.start, p.batch.stop), []).append((out, lse))
@@ -149,6 +142,26 @@ _REFERENCE = Reference()
 
 class Fused(Backend):
     name = "fused"
+
+    def path(self, inputs: Inputs) -> str:
+        """The decisions of `forward`, in words (re-planned from the inputs)."""
+        op = "torch's CPU flash kernel" if inputs.query.is_cpu else "torch's fused CUDA op"
+        sinks = ", sinks merged on top" if inputs.sinks is not None else ""
+        if inputs.no_work:
+            return "no score to compute: zeros"
+        L, S = inputs.query.shape[2], inputs.key.shape[2]
+        if blocks.whole(inputs.mask, L):
+            masked = " with the mask" if inputs.mask is not None else ""
+            causal = " on its own causal path" if inputs.causal else ""
+            return f"one call of {op}{masked}{causal}{sinks}"
+        if inputs.causal_only:
+            return f"one call of {op} on its own causal path{sinks}"
+        occ = blocks.structure(inputs)
+        pieces = None if occ is None else blocks.plan(occ, L, S)
+        if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
+            return f"one call of {op} with the mask whole{sinks}"
+        calls = sum(p.k1 > p.k0 for p in pieces)
+        return f"block plan: {calls} calls of {op} on the visible key spans{sinks}"
 
     def not_supported_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
@@ -210,7 +223,7 @@ class Fused(Backend):
                 and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
             ):  # fmt: skip
                 if mask is not None:
-                    mask = blocks.additive(mask, q.dtype)
+                    mask = tile.additive(mask, q.dtype)
                 out, lse = aten.CPU_FLASH(
                     q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale
                 )
@@ -227,7 +240,7 @@ class Fused(Backend):
         mask = inputs.mask
         L, S = q.shape[2], k.shape[2]
         if blocks.whole(mask, L):  # no block to skip: one call, causal or not
-            mask = blocks.additive(mask, q.dtype)
+            mask = tile.additive(mask, q.dtype)
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
             return (out if out.shape[-1] == Ev else out[..., :Ev]), lse
         if inputs.causal_only:
@@ -239,7 +252,7 @@ class Fused(Backend):
             # (a plan with no kernel call at all would cut the output from autograd)
             if isinstance(mask, masks.Mask):
                 mask = masks.as_4d(mask.materialize(L, S, q.device, max_bytes=None))
-            mask = blocks.additive(mask, q.dtype)
+            mask = tile.additive(mask, q.dtype)
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
         else:
             out, lse = _run_pieces(inputs, pieces, q, k, v, kernel)

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from sdpa import masks, settings
+from sdpa import masks, settings, tile
 from sdpa.backends.base import Backend
-from sdpa.backends.blocks import additive, causal_bias, distinct
-from sdpa.backends.reference import Reference
-from sdpa.inputs import Inputs, compute_dtype, known
+from sdpa.inputs import Inputs, known
 
 # The thresholds are sdpa.settings' small_weights, small_head, small_causal and
 # one_product_weights: past the first two torch's fused kernel is faster (measured on
 # CPU by benchmarks/bench_decode.py: (8, 12, 128, 128) 0.8x the fused time,
 # (1, 8, 256, 256) 1.0x, (1, 8, 512, 512) 3.9x; on CUDA the fused op is one launch).
-_REFERENCE = Reference()
-_ZERO = {d: torch.zeros((), dtype=d) for d in (torch.float32, torch.float64)}  # baddbmm's C
 
 
 def fits(inputs: Inputs) -> bool:
@@ -59,68 +55,53 @@ def one_product(inputs: Inputs) -> bool:
 
 
 def probabilities(inputs: Inputs) -> torch.Tensor:
-    """The weights p = softmax(scale * q k^T + mask), (B, Hq, L, S) in the compute dtype;
-    rows that see no key are 0."""
+    """The weights p = softmax(scale * q k^T + mask), (B, Hq, L, S) in the compute dtype,
+    by the tile rule; rows that see no key are 0."""
     q, k, mask = inputs.query, inputs.key, inputs.mask
-    B, Hq, L, E = q.shape
-    _, Hkv, S, _ = k.shape
-    cd = compute_dtype(q.dtype)  # softmax statistics in float32 for 16-bit inputs
-    if cd is not q.dtype:
-        q, k = q.to(cd), k.to(cd)
-    folded = q.reshape(B * Hkv, Hq // Hkv * L, E)  # query heads of a key head as rows
-    zero = _ZERO.get(q.dtype) if q.is_cpu else None
-    if zero is None:
-        zero = q.new_zeros(())
-    scores = torch.baddbmm(
-        zero, folded, k.reshape(B * Hkv, S, E).mT, beta=0.0, alpha=inputs.scale
-    ).view(B, Hq, L, S)
+    L, S = q.shape[2], k.shape[2]
+    s = tile.scores(q, k, tile.Scoring.of(inputs))  # (B, Hq, L, S), one product
     causal = inputs.causal
     if mask is not None and mask.__class__ is not torch.Tensor:  # a structured mask
         if inputs.causal_only:
             mask, causal = None, True
         else:
-            mask = mask.materialize(L, S, scores.device, max_bytes=None)  # (L, S) | (B, 1, L, S)
+            mask = tile.window(mask, False, L, S, device=s.device)  # (Bm, 1, L, S) bool
     # masks are added (0 / -inf): a broadcast masked_fill_ is ~8x slower on CPU
-    if causal:  # top-left: query i sees keys j <= i, so no row is left without a key
-        scores.add_(causal_bias(L, S, scores.dtype, scores.device))
-    if mask is None:
-        return torch.softmax(scores, dim=-1)
-    base = distinct(mask)  # the entries a broadcast mask repeats (key padding: B x S)
-    if mask.dtype == torch.bool:
-        scores.add_(additive(mask, scores.dtype))  # converted once per mask (cached)
-        dead = base.any(dim=-1, keepdim=True).logical_not_()  # rows that see no key
-    else:
-        scores.add_(mask)
-        dead = torch.isneginf(base).all(dim=-1, keepdim=True)
-    if causal:  # a row can lose its last keys to both: read the scores
-        dead = torch.isneginf(scores.amax(dim=-1, keepdim=True))
-    if not dead.any():  # (CPU: no sync to speak of) the common case, no pass over p
-        return torch.softmax(scores, dim=-1)
-    scores.masked_fill_(dead, 0.0)  # keeps softmax and its gradient finite
-    p = torch.softmax(scores, dim=-1)
-    if torch.is_grad_enabled() and p.requires_grad:  # softmax's backward reads p
-        return p.masked_fill(dead, 0.0)
-    return p.masked_fill_(dead, 0.0)
+    if causal:  # top-left
+        s = tile.exclude(s, tile.causal_bias(L, S, s.dtype, s.device))
+    s = tile.exclude(s, tile.additive(mask, s.dtype))  # a bool mask converted once (cached)
+    return tile.finish(s, lse=False)[0]
 
 
 def probabilities_and_output(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, L, Ev) in the input dtype, p (B, Hq, L, S) in the compute dtype)."""
     p = probabilities(inputs)
-    v, dtype = inputs.value, inputs.query.dtype
-    if dtype is not p.dtype:
-        v = v.to(p.dtype)
-    B, Hq, L, S = p.shape
-    Hkv, Ev = v.shape[1], v.shape[3]
-    if Hkv == Hq:
-        out = torch.matmul(p, v)  # (B, Hq, L, Ev)
-    else:  # query heads of a key head as rows
-        out = torch.bmm(p.view(B * Hkv, Hq // Hkv * L, S), v.reshape(B * Hkv, S, Ev))
-        out = out.view(B, Hq, L, Ev)
+    out = tile.values(p, inputs.value)
+    dtype = inputs.query.dtype
     return (out if dtype is p.dtype else out.to(dtype)), p
+
+
+def _over_limits(inputs: Inputs) -> str:
+    """The settings limit these inputs are over, in words."""
+    s = settings.get()
+    B, Hq, L, _ = inputs.query.shape
+    S = inputs.key.shape[2]
+    if B * Hq * L * S > s.small_weights:
+        over = f"B*Hq*L*S = {B * Hq * L * S} scores, over small_weights = {s.small_weights}"
+    elif L * S > s.small_head:
+        over = f"L*S = {L * S} scores per head, over small_head = {s.small_head}"
+    else:
+        over = (
+            f"L*S = {L * S} scores per head under "
+            f"{'causal' if inputs.causal else 'structured'} masking, over small_causal = "
+            f"{s.small_causal}"
+        )
+    return f"{over} (sdpa.settings): the fused kernel is faster there"
 
 
 class Small(Backend):
     name = "small"
+    summary = "the listing's math in one product, the weights kept"
 
     def not_supported_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
@@ -131,7 +112,7 @@ class Small(Backend):
             reasons.append(f"dropout_p={inputs.dropout_p} > 0 (the reference backend applies it)")
         if inputs.softcap is not None or inputs.sinks is not None:
             reasons.append("a softcap or sinks (the chunked and fused backends apply them)")
-        B, Hq, L, _ = inputs.query.shape
+        L = inputs.query.shape[2]
         if torch.compiler.is_compiling():
             reasons.append("torch.compile is tracing (the fused kernel serves compiled graphs)")
         elif inputs.no_work:
@@ -139,21 +120,9 @@ class Small(Backend):
         elif L == 1:
             reasons.append("one query (the fused kernel is faster; the weights cost one product)")
         elif not fits(inputs):
-            s = settings.get()
-            reasons.append(
-                f"B*Hq*L*S = {B * Hq * L * inputs.key.shape[2]} scores (over small_weights = "
-                f"{s.small_weights}), or L*S = {L * inputs.key.shape[2]} per head (over "
-                f"small_head = {s.small_head}, or small_causal = {s.small_causal} with causal "
-                f"or structured masking; see sdpa.settings): the fused kernel is faster there"
-            )
+            reasons.append(_over_limits(inputs))
         return reasons
 
     def run(self, inputs: Inputs) -> tuple[torch.Tensor, None, torch.Tensor]:
         out, p = probabilities_and_output(inputs)
         return out, None, (p.detach() if p.requires_grad else p)
-
-    def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        out, _ = probabilities_and_output(inputs)
-        with torch.no_grad():
-            lse = _REFERENCE.forward(inputs)[1]
-        return out, lse

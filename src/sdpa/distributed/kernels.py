@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sdpa import masks, settings
+from sdpa import settings, tile
 from sdpa.backends import aten
 from sdpa.inputs import compute_dtype
 
@@ -61,32 +61,20 @@ def _chunks(q: torch.Tensor, c: int):
 
 
 def _scores(q, k, bias, causal, scale, rows: slice):
-    """Scores (B, Hq, n, c) of query rows `rows`, float32 (float64 for float64 inputs),
-    -inf where excluded; key heads repeated for GQA."""
-    cd = compute_dtype(q.dtype)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, Hq, c, D)
-    s = torch.matmul(q[:, :, rows].to(cd), k.to(cd).mT) * scale  # (B, Hq, n, c)
-    if bias is not None:
-        s = s + bias[:, :, rows]
-    if causal:  # top-left
-        i = torch.arange(rows.start, rows.stop, device=s.device)
-        keys = torch.arange(s.shape[-1], device=s.device)
-        s = s.masked_fill(~masks.visible_grid(i, keys), -torch.inf)
-    return s
+    """Scores (B, Hq, n, c) of query rows `rows` by the tile rule, float32 (float64 for
+    float64 inputs), -inf where excluded; bias (Bm, 1, r, c) and top-left causality."""
+    r, c = q.shape[2], k.shape[2]
+    window = tile.window(bias, causal, r, c, rows, slice(None), q.device)
+    return tile.exclude(tile.scores(q[:, :, rows], k, tile.Scoring(scale)), window)
 
 
 def _math_forward(q, k, v, bias, causal, scale):
     cd = compute_dtype(q.dtype)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=cd, device=q.device)  # (B, Hq, r)
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).to(cd)  # (B, Hq, c, D)
     for rows in _chunks(q, k.shape[2]):
-        s = _scores(q, k, bias, causal, scale, rows)
-        m = torch.logsumexp(s, dim=-1)  # (B, Hq, n)
-        m = m.masked_fill(torch.isneginf(m), 0.0)  # rows that see no key: lse 0, out 0
-        p = torch.exp(s - m[..., None])
-        out[:, :, rows] = torch.matmul(p, v).to(q.dtype)
-        lse[:, :, rows] = m
+        p, lse[:, :, rows] = tile.finish(_scores(q, k, bias, causal, scale, rows))
+        out[:, :, rows] = tile.values(p, v).to(q.dtype)
     return out, lse
 
 
@@ -99,7 +87,8 @@ def _math_backward(dout, q, k, v, out, lse, bias, causal, scale):
     dk = torch.zeros(kr.shape, dtype=cd, device=q.device)
     dv = torch.zeros(vr.shape, dtype=cd, device=q.device)
     for rows in _chunks(q, k.shape[2]):
-        p = torch.exp(_scores(q, k, bias, causal, scale, rows) - lse[:, :, rows, None])
+        s = _scores(q, k, bias, causal, scale, rows)  # this block's share of the rows' keys
+        p = tile.rebuild(s, lse[:, :, rows])  # exp(s - global lse)
         do = dout[:, :, rows].to(cd)  # (B, Hq, n, D)
         dv += torch.matmul(p.mT, do)
         dp = torch.matmul(do, vr.mT)  # (B, Hq, n, c)

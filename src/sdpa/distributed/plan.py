@@ -16,8 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa import masks, settings
-from sdpa.backends import blocks
+from sdpa import masks, settings, tile
 from sdpa.distributed.layout import Run
 
 FULL, EMPTY, DIAGONAL, OVERLAP = "full", "empty", "diagonal", "overlap"
@@ -92,4 +91,4 @@ def _masked(qr: Run, kr: Run, rule: masks.Mask, L: int, S: int, device) -> Itera
 
 def bias(keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """Keep (Bm, r, c) -> additive (Bm, 1, r, c): 0 where kept, -inf elsewhere."""
-    return None if keep is None else blocks.additive(keep[:, None], dtype)
+    return None if keep is None else tile.additive(keep[:, None], dtype)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa import masks
+from sdpa import masks, tile
 from sdpa.distributed import kernels, plan
 from sdpa.distributed.comm import Ring, RingError, mask_digest, valid_timeout
 from sdpa.distributed.layout import check_layout, runs
@@ -88,11 +88,10 @@ class _Shards:
 
 
 def _merge(acc, acc_lse, out, lse) -> None:
-    """Fold one block's (out, lse) into the running ones, in place; lse -inf = no key."""
-    new = torch.logaddexp(acc_lse, lse)
-    old_share = torch.exp(acc_lse - new).nan_to_num_(nan=0.0)  # -inf - -inf: no key yet
-    new_share = torch.exp(lse - new).nan_to_num_(nan=0.0)
-    acc.mul_(old_share[..., None]).addcmul_(out, new_share[..., None])
+    """Fold one block's (out, lse) into the running ones, in place (the tile rule's
+    merge); lse -inf = no key."""
+    merged, new = tile.merge(acc, acc_lse, out, lse)
+    acc.copy_(merged)
     acc_lse.copy_(new)
 
 
@@ -117,7 +116,7 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                 lse = lse.masked_fill(~c.alive[:, None], -torch.inf)
             _merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
         shards.finish(works, step, "forward")
-    lse = acc_lse.masked_fill(torch.isneginf(acc_lse), 0.0)  # rows that saw no key anywhere
+    lse = tile.settle(acc_lse)  # rows that saw no key anywhere: lse 0
     return acc.to(q.dtype), lse
 
 

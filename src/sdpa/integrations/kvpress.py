@@ -57,8 +57,12 @@ def register(name: str | None = None) -> str:
     name: defaults to "lse_attention_lazy", as `sdpa.integrations.transformers.register(
     lazy_weights=True)`, which this calls; the function the models run is its
     `lazy_attention_forward`, wrapped by kvpress's `attention_patch` (head-wise key
-    masking while decoding) exactly once.
+    masking while decoding) exactly once. Names that are not sdpa's to take (transformers'
+    own implementations, "paged|..." forms, Hub kernel names, names registered to other
+    functions) are refused as `register` of that module refuses them, before kvpress is
+    imported.
     """
+    sdpa_hf._check_name(sdpa_hf.LAZY_NAME if name is None else name)
     attention_patch = _kvpress_attention_patch()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -29,7 +29,10 @@ the only one their code is written for (their modules' `is_causal` is not kept f
 omitted mask, and some extend the mask with float blocks).
 
 The name has no "sdpa" in it: transformers gates every name containing "sdpa" on
-`_supports_sdpa`, which would refuse models this function runs. transformers 5 refuses
+`_supports_sdpa`, which would refuse models this function runs. `register` refuses the
+names of transformers' own implementations ("eager", "flash_attention_*",
+"flex_attention", "paged|..." forms, Hub kernels "org/repo") and names registered to
+other functions: registering one would replace it for every model. transformers 5 refuses
 the config route to attentions (`config.output_attentions = True`) for every
 implementation but "eager"; use the call argument or `capture`. Rows that see no key
 at all (a fully padded query under causal masking) get weights 0 here; eager gives
@@ -38,9 +41,21 @@ them uniform weights over every key.
 Caches: DynamicCache, StaticCache (`cache_implementation="static"`) and sliding-window
 caches work as on eager (greedy tokens identical, tests/test_generation.py); where L < S
 the mask function aligns causality bottom-right, and `causal` is used only for L == S.
+
+Captures belong to their model. `capture(model)` records the calls of the attention
+modules inside `model` (a sub-model: only its layers), and of no other model, from
+every thread while the block is open: a thread pool or DataParallel's replicas started
+in the block are recorded. Captures nest, each recording every call of its model made
+inside it (outermost first). A second capture of the same modules opened side by side
+in another thread or task is refused, since each would record the other's calls. The
+open captures live on the modules themselves (an entry of each module's __dict__, only
+while a block is open): with none open a call reads one dict entry.
+
 Under torch.compile the attention function traces with no graph break and the lazy
-weights never leave the graph (nothing outside can read them); inside an open `capture`
-block each attention call runs outside the graph instead, so that the capture sees it.
+weights never leave the graph (nothing outside can read them). Inside a `capture` of
+the compiled model each of its attention calls runs outside the graph instead, so that
+the capture sees it; the guard is on each module's attribute, so an open capture on one
+model neither breaks nor recompiles the graphs of another.
 """
 
 from __future__ import annotations
@@ -48,7 +63,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import inspect
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,7 +73,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sdpa import masks
-from sdpa.errors import NotSupportedError, SdpaValueError
+from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
 from sdpa.functional import attention
 from sdpa.weights import AttentionWeights
 
@@ -89,21 +106,37 @@ ATTENTIONS_BEFORE_SINK = frozenset({"granite_swa", "granitemoe_swa"})
 # Keywords that ask for nothing when None (or False) and are refused otherwise.
 ONLY_WHEN_EMPTY = frozenset({"head_mask", "layer_head_mask", "block_indices"})
 
-_capturing: contextvars.ContextVar[Capture | None] = contextvars.ContextVar(
-    "sdpa_capture", default=None
+# The captures open on a module live in its __dict__ under this name, outermost first,
+# only while one is open: a call reads one dict entry, and torch.compile guards on the
+# attribute of each module it traces, so a capture on one model changes nothing in the
+# graphs of another.
+_OPEN = "_sdpa_open_captures"
+# The captures opened in this thread or task (read when a capture opens, never per call).
+_here: contextvars.ContextVar[tuple[Capture, ...]] = contextvars.ContextVar(
+    "sdpa_captures_here", default=()
 )
-# How many capture blocks are open, in any thread: a plain int that torch.compile can
-# read (and guards on); it cannot read the ContextVar.
-_open_captures = 0
+_stamping = threading.Lock()  # opening and closing captures write modules' _OPEN
 
 STATS = ("received", "entropy", "last_row")
 
 
-@dataclass
+class _Open(tuple):
+    """The captures open on one module, outermost first (its __dict__[_OPEN]). A copy of
+    the module (copy.deepcopy, pickle) gets none: it is another model. A DataParallel
+    replica, which shares its original's __dict__ entries, shares them."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (tuple, ())
+
+
+@dataclass(eq=False)
 class Capture:
     """What `capture` collects, per attention call or accumulated per layer.
 
-    weights: one lazy AttentionWeights (B, Hq, L, S) per call, in call order (when kept).
+    weights: one lazy AttentionWeights (B, Hq, L, S) per call, in call order (when kept;
+        calls from several threads in the order they finished).
     received: layer -> (B, Hkv, S) float32 (float64 for float64 models): attention each
         key received, summed over every query of every call (prefill and each decode
         step), averaged over the Hq / Hkv query heads that share each key/value head.
@@ -125,22 +158,29 @@ class Capture:
     )
     _owners: dict[int, weakref.ref] = field(default_factory=dict, repr=False)  # layer -> module
     _seen: dict[int, int] = field(default_factory=dict, repr=False)  # layer -> tokens
+    _open: bool = field(default=False, repr=False)  # inside its block
+    _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)  # while open
+    # one call at a time from worker threads (re-entrant: on_call may run the model)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def _record(
         self, module: torch.nn.Module, weights: AttentionWeights, kv_heads: int, sliding: bool
     ) -> None:
         """Inside the attention call: keep the handle, compute the statistics asked for
         from the fresh weights, then call on_call."""
-        if self.keep:
-            self.weights.append(weights)
-        if not self.stats and self.on_call is None:
-            return
-        layer = self._layer(module)
-        if self.stats:
-            with torch.no_grad():
-                self._add_stats(layer, module, weights, kv_heads, sliding)
-        if self.on_call is not None:
-            self.on_call(layer, weights)
+        with self._lock:
+            if not self._open:  # a replica kept after the block still names this capture
+                return
+            if self.keep:
+                self.weights.append(weights)
+            if not self.stats and self.on_call is None:
+                return
+            layer = self._layer(module)
+            if self.stats:
+                with torch.no_grad():
+                    self._add_stats(layer, module, weights, kv_heads, sliding)
+            if self.on_call is not None:
+                self.on_call(layer, weights)
 
     def _layer(self, module: torch.nn.Module) -> int:
         """module.layer_idx, else the module's place among those without one, in the
@@ -161,8 +201,9 @@ class Capture:
             raise SdpaValueError(
                 f"capture(stats=...) keeps statistics per layer index, and two attention "
                 f"modules claim layer {layer} (the second a {type(module).__name__}; an "
-                f"encoder-decoder numbers its stacks alike); use on_call, or keep=True "
-                f"and read cap.weights, which are per call"
+                f"encoder-decoder numbers its stacks alike, and DataParallel replicas are "
+                f"copies of one module); use on_call, or keep=True and read cap.weights, "
+                f"which are per call"
             )
         if "entropy" in self.stats:
             self.entropy.setdefault(layer, []).append(w.entropy())  # (B, Hq, L)
@@ -216,6 +257,13 @@ def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)} {value.dtype}>"
     return repr(value)
+
+
+def _one_line(value: object, width: int = 60) -> str:
+    """repr(value) in one short line, for error messages."""
+    text = repr(value)
+    line = text.splitlines()[0] if text else text
+    return line[:width] + "..." if len(line) > width or line != text else line
 
 
 def _attentions_wanted(kwargs: dict) -> bool:
@@ -286,13 +334,16 @@ def _sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None) -> torch.Tens
     return sinks
 
 
-def _run(*args, **kwargs) -> tuple[torch.Tensor, AttentionWeights]:
-    """_attend, outside the graph while torch.compile traces and a capture block is open
-    (a graph break per call, so that the capture sees it); with no capture open the
-    call traces whole."""
-    if torch.compiler.is_compiling() and _open_captures:
-        return _attend_eagerly(*args, **kwargs)
-    return _attend(*args, **kwargs)
+def _run(module: torch.nn.Module, *args, **kwargs) -> tuple[torch.Tensor, AttentionWeights]:
+    """_attend, and every capture open on `module` sees the call. While torch.compile
+    traces: with none open on this module the call traces whole; with one open it runs
+    outside the graph (a graph break per call, so that the capture sees it). The guard
+    is on this module's attribute: a capture on another model changes nothing here."""
+    if not torch.compiler.is_compiling():
+        return _attend_seen(module, *args, **kwargs)
+    if getattr(module, _OPEN, None):  # getattr: dynamo guards on it (on __dict__ it would not)
+        return _attend_seen_eagerly(module, *args, **kwargs)
+    return _attend(module, *args, **kwargs)
 
 
 def _attend(
@@ -321,15 +372,27 @@ def _attend(
     if logits is not None:
         mask = masks.sinks(logits, mask)
     out, weights = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)
-    if not torch.compiler.is_compiling():  # traced: no capture is open (see _run)
-        active = _capturing.get()
-        if active is not None:
-            sliding = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
-            active._record(module, weights, key.shape[1], bool(sliding))
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)
 
 
-_attend_eagerly = torch.compiler.disable(_attend)
+def _attend_seen(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *args,
+    **kwargs,
+) -> tuple[torch.Tensor, AttentionWeights]:
+    """_attend, then each capture open on the module (outermost first) records the call."""
+    out, weights = _attend(module, query, key, *args, **kwargs)
+    captures = module.__dict__.get(_OPEN)  # one dict read when none is open
+    if captures:
+        sliding = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+        for found in captures:
+            found._record(module, weights, key.shape[1], bool(sliding))
+    return out, weights
+
+
+_attend_seen_eagerly = torch.compiler.disable(_attend_seen)
 
 
 def attention_forward(
@@ -424,8 +487,12 @@ def register(name: str | None = None, *, lazy_weights: bool = False) -> str:
     name, for `from_pretrained(..., attn_implementation=name)`.
 
     name: defaults to "lse_attention" ("lse_attention_lazy" with lazy_weights), which
-    also registers the old name "sdpa_lse" as an alias. Other names containing "sdpa"
-    are refused: transformers gates them as torch's SDPA.
+    also registers the old name "sdpa_lse" as an alias; or a new name of your own.
+    Refused: transformers' own implementations ("eager", names containing "sdpa",
+    "flash_attention_*", "flex_attention"), the "paged|..." forms, Hub kernel names
+    ("org/repo"), and any name registered to another function (a wrapper of sdpa's,
+    functools.wraps, counts as sdpa's): registering one would replace it for every
+    model in the process.
     lazy_weights: every attention module returns the lazy AttentionWeights as its
     second output, instead of dense weights only when asked for.
     """
@@ -434,11 +501,7 @@ def register(name: str | None = None, *, lazy_weights: bool = False) -> str:
 
     if name is None:
         name = LAZY_NAME if lazy_weights else NAME
-    if not isinstance(name, str) or not name or ("sdpa" in name and name != OLD_NAME):
-        raise SdpaValueError(
-            f"name must be a non-empty string without 'sdpa' (transformers treats such "
-            f"names as torch's SDPA and refuses models without SDPA support), got {name!r}"
-        )
+    _check_name(name)
     names = [name, OLD_NAME] if name == NAME else [name]  # the old name stays an alias
     for each in names:
         forward = lazy_attention_forward if lazy_weights else attention_forward
@@ -448,13 +511,67 @@ def register(name: str | None = None, *, lazy_weights: bool = False) -> str:
     return name
 
 
+def _check_name(name: object) -> None:
+    """Refuse a name that is not sdpa's to take (see register), naming sdpa's."""
+    ours = (
+        f"register sdpa under its own names, {NAME!r} (the default) or {LAZY_NAME!r} "
+        f"(lazy_weights=True), or under a new name of your own"
+    )
+    if not isinstance(name, str):
+        raise SdpaTypeError(f"name must be a string or None, got {_describe(name)}; {ours}")
+    why = _taken_because(name)
+    if why is not None:
+        raise SdpaValueError(f"name={name!r} is not sdpa's to register: {why}; {ours}")
+
+
+def _taken_because(name: str) -> str | None:
+    """Why `name` belongs to someone else (transformers, the Hub, another function), or
+    None when sdpa may register under it."""
+    if not name:
+        return "it is empty"
+    if "sdpa" in name and name != OLD_NAME:
+        return (
+            "names containing 'sdpa' are torch's SDPA to transformers, which gates them on "
+            "_supports_sdpa and refuses models this function runs (use a name without 'sdpa')"
+        )
+    if name == "eager" or name.startswith(("flash_attention", "flex_attention")):
+        return "it names one of transformers' own attention implementations"
+    if "|" in name:
+        return "transformers reads 'prefix|name' as its paged-attention forms ('paged|eager')"
+    if "/" in name:
+        return "transformers loads names with '/' ('org/repo') as attention kernels from the Hub"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    mapped = ((AttentionInterface, _OURS), (AttentionMaskInterface, (mask_function,)))
+    for interface, mine in mapped:
+        taken = getattr(interface, "_global_mapping", {}).get(name)
+        if taken is not None and _unwrapped(taken) not in mine:
+            where = f"{getattr(taken, '__module__', '?')}.{getattr(taken, '__qualname__', taken)}"
+            return (
+                f"transformers' {interface.__name__} has it for {where}, which it would "
+                f"replace for every model in the process"
+            )
+    return None
+
+
+def _unwrapped(fn: object) -> object:
+    """fn, or the function it wraps (functools.wraps' __wrapped__, to the innermost)."""
+    try:
+        return inspect.unwrap(fn) if callable(fn) else fn
+    except ValueError:  # a __wrapped__ cycle
+        return fn
+
+
 def _registered_as_ours(name: object) -> bool:
+    """Whether transformers runs one of sdpa's attention functions (or a wrapper of one,
+    such as a call recorder) for `name`."""
     if not isinstance(name, str):
         return False
     from transformers import AttentionInterface
 
     mapping = getattr(AttentionInterface, "_global_mapping", None)
-    return isinstance(mapping, dict) and mapping.get(name) in _OURS
+    return isinstance(mapping, dict) and _unwrapped(mapping.get(name)) in _OURS
 
 
 def _uses_ours(model: torch.nn.Module) -> bool:
@@ -470,16 +587,22 @@ def capture(
     on_call: Callable[[int, AttentionWeights], object] | None = None,
     keep: bool | None = None,
 ) -> Iterator[Capture]:
-    """Collect what the attention calls made inside the block show: lazy weights, or
-    statistics computed inside each call.
+    """Collect what the attention calls of `model` made inside the block show: lazy
+    weights, or statistics computed inside each call.
 
         with capture(model, stats=("received", "entropy")) as cap:
             model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
         cap.received[3]       # layer 3: (B, Hkv, S) attention each key received
         cap.entropy[3][-1]    # layer 3, last step: (B, Hq, 1)
 
-    The model (or, in a composite model, any sub-model) must run on sdpa
-    (`attn_implementation=register()`).
+    model: a torch.nn.Module that is, or holds, a transformers model on sdpa
+    (`attn_implementation=register()`). The capture records the calls of the attention
+    modules inside `model` (model.modules() when the block opens: a sub-model gives
+    only its layers), from any thread, while the block is open; calls of other models
+    are not recorded. Captures nest: each records every call of its model inside it,
+    outermost first. Worker threads started in the block (a thread pool, DataParallel's
+    replicas) are recorded too; a second capture of the same modules opened in another
+    thread or task at the same time is refused (each would see the other's calls).
 
     stats: any of "received", "entropy", "last_row" (see Capture for shapes), computed
         from each call's fresh weights before the call returns: a StaticCache writes
@@ -493,17 +616,28 @@ def capture(
         batch: a second generate in the same block adds to the same sums, token
         position by token position.
     on_call: called as on_call(layer, weights) inside each attention call, before the
-        next one; layer is module.layer_idx, or the module's position in the forward
-        pass for modules without one.
+        next one (one call at a time, from the thread that made it); layer is
+        module.layer_idx, or the module's position in the forward pass for modules
+        without one.
     keep: append each call's lazy AttentionWeights (B, Hq, L, S) to cap.weights, in call
         order: rows, sums, entropy, top-k of any layer without the dense L x S tensors
         (default: only when neither stats nor on_call is given). Each handle pins that
         call's query and key tensors; over a long generation that adds up.
 
-    Under torch.compile, while a block is open, each attention call runs outside the
-    compiled graph (one graph break per call), so that it is captured.
+    Under torch.compile, while a block is open, each attention call of `model` runs
+    outside the compiled graph (one graph break per call), so that it is captured; a
+    compiled model without an open capture keeps its graphs (no break, no recompile).
     """
-    global _open_captures
+    if not isinstance(model, torch.nn.Module):
+        held = getattr(model, "model", None)
+        hint = " (this one holds a model: pass its .model)" if isinstance(
+            held, torch.nn.Module
+        ) else ""  # fmt: skip
+        raise SdpaTypeError(
+            f"model must be a torch.nn.Module: a transformers model loaded with "
+            f"attn_implementation=sdpa.integrations.transformers.register(), or a module "
+            f"holding one; got {type(model).__name__} {_one_line(model)}{hint}"
+        )
     if not _uses_ours(model):
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise SdpaValueError(
@@ -526,10 +660,49 @@ def capture(
     if keep is None:
         keep = not names and on_call is None
     found = Capture(stats=names, on_call=on_call, keep=keep)
-    token = _capturing.set(found)
-    _open_captures += 1
+    _open(found, model)
     try:
-        yield found
+        token = _here.set((*_here.get(), found))
+        try:
+            yield found
+        finally:
+            _here.reset(token)
     finally:
-        _open_captures -= 1
-        _capturing.reset(token)
+        _close(found)
+
+
+def _open(found: Capture, model: torch.nn.Module) -> None:
+    """Put `found` on every module of `model`, after the captures already open there;
+    refused where one of those was opened in another thread or task."""
+    modules = list(model.modules())
+    here = _here.get()
+    with _stamping:
+        for m in modules:
+            for other in m.__dict__.get(_OPEN, ()):
+                if other._open and not any(other is h for h in here):
+                    raise SdpaValueError(
+                        f"capture({_model_name(model)}): a capture of its module "
+                        f"{type(m).__name__} is open in another thread or task, and two "
+                        f"captures open side by side would each record the other's calls; "
+                        f"open one capture around both (calls from worker threads are "
+                        f"recorded), or nest them: a thread started inside a block nests "
+                        f"in it when it runs under contextvars.copy_context()"
+                    )
+        for m in modules:
+            m.__dict__[_OPEN] = _Open((*m.__dict__.get(_OPEN, ()), found))
+        found._modules, found._open = modules, True
+
+
+def _close(found: Capture) -> None:
+    """Take `found` off the modules it was put on; a module left with none loses the
+    attribute, and torch.compile traces its calls whole again."""
+    with found._lock:  # a call recording now finishes first; later ones are not recorded
+        found._open = False
+    with _stamping:
+        for m in found._modules:
+            rest = tuple(c for c in m.__dict__.get(_OPEN, ()) if c is not found)
+            if rest:
+                m.__dict__[_OPEN] = _Open(rest)
+            else:
+                m.__dict__.pop(_OPEN, None)
+        found._modules = []

@@ -1,11 +1,17 @@
 """Triton kernels for the weights' statistics (layer 3: compute; optional `triton`).
 
-- `stats.forward_stats`: a flash-style forward that also writes, per query, the entropy
-  of its weights and its largest weight, accumulated online in the same pass.
-- `received.received`: attention each key receives, sum_i p_ij, from q, k and the LSE
-  in one pass with the key block as the outer loop.
+Single passes over Q K^T that read no V (half a forward; docs/guide/gpu-kernels.md):
+- `entropy.entropy_and_max(q, k, lse, mask, causal=, scale=)`: entropy and largest
+  weight of every query row, (B, Hq, L) each;
+- `received.received(q, k, lse, mask, causal=, scale=)`: attention each key receives,
+  sum_i p_ij, per query head, (B, Hq, S);
+- `logits.max_logits(q, k, mask, causal=, scale=)`: the largest raw score of every row
+  (B, Hq, L) and of every head (B, Hq), as QK-clip needs.
+And `stats.forward_stats`: a flash-style forward that also writes, per query, the
+entropy of its weights and its largest weight, accumulated online in the same pass.
+Launch configs are pinned per kernel in `configs` (sm90), not autotuned.
 
-Both run compiled on CUDA tensors and under Triton's interpreter on CPU tensors (how
+All run compiled on CUDA tensors and under Triton's interpreter on CPU tensors (how
 the test suite checks them without a GPU). Import those modules only after
 `unavailable()` says None: they import triton.
 """

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -64,10 +65,29 @@ def _usage(args: argparse.Namespace) -> str | None:
         return "--html writes a file and starts no server: drop --port and --no-open"
     if args.port is not None and not 0 <= args.port <= 65535:
         return f"--port must be in 0..65535 (0: a free port), got {args.port}"
-    if args.html and not args.html.lower().endswith((".html", ".htm")):
-        return f"--html must name a .html file, got {args.html!r}"
-    if args.html and not Path(args.html).resolve().parent.is_dir():
-        return f"--html: the folder of {args.html!r} does not exist"
+    if args.html:
+        return _html_problem(args.html)
+    return None
+
+
+def _html_problem(path: str) -> str | None:
+    """Why --html cannot be written, found before the model runs (nothing is left behind)."""
+    if not path.lower().endswith((".html", ".htm")):
+        return f"--html must name a .html file, got {path!r}"
+    p = Path(path)
+    if p.is_dir():
+        return f"--html {path!r} is a folder: name a file in it, e.g. {str(p / 'view.html')!r}"
+    if not p.resolve().parent.is_dir():
+        return f"--html: the folder of {path!r} does not exist"
+    try:  # the real test: open it for writing, as the export will
+        if p.exists():
+            with open(p, "r+b"):  # not truncated: the old file stays until the export
+                pass
+        else:
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            p.unlink()
+    except OSError as e:
+        return f"--html {path!r}: cannot write there: {e.strerror or e}"
     return None
 
 
@@ -87,21 +107,37 @@ def _read(path: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """The `view` subcommand: 0 when served and stopped (Ctrl-C) or written, 2 on bad
     arguments (one line on stderr)."""
+    from sdpa.view.connections import listen
     from sdpa.view.session import ViewError
 
     problem = _usage(args)
     if problem:
         return _fail(problem)
+    port, listener = args.port or 0, None
+    if not args.html:  # the port is ours before the model runs, and held while it does
+        try:
+            listener = listen(port)
+        except OSError as e:
+            return _fail(_port_problem(port, e))
     try:
         session = _session(args)
         if args.html:
             from sdpa.view.export import write_html
 
-            print(f"wrote {write_html(session, args.html)}")
+            try:
+                print(f"wrote {write_html(session, args.html)}")
+            except OSError as e:
+                return _fail(f"--html {args.html!r}: cannot write there: {e.strerror or e}")
             return 0
     except (ViewError, ImportError, OSError) as e:
+        if listener is not None:
+            listener.close()
         return _fail(str(e))
-    return serve(session, args.port or 0, open_browser=not args.no_open)
+    return serve(session, port, open_browser=not args.no_open, listener=listener)
+
+
+def _port_problem(port: int, e: OSError) -> str:
+    return f"--port {port}: cannot listen on 127.0.0.1:{port}: {e.strerror or e}"
 
 
 def _fail(message: str) -> int:
@@ -131,14 +167,15 @@ def _session(args: argparse.Namespace):
     return session
 
 
-def serve(session, port: int = 0, open_browser: bool = True) -> int:
-    """Serve the session on 127.0.0.1 until Ctrl-C (or SIGTERM); prints the URL."""
+def serve(session, port: int = 0, open_browser: bool = True, *, listener=None) -> int:
+    """Serve the session on 127.0.0.1 until Ctrl-C (or SIGTERM); prints the URL.
+    listener: a socket from connections.listen(port) to serve on (bound earlier)."""
     from sdpa.view.server import ViewServer
 
     try:
-        server = ViewServer(session, port)
+        server = ViewServer(session, port, listener=listener)
     except OSError as e:  # the port is taken, or not ours to bind
-        return _fail(f"--port {port}: cannot listen on 127.0.0.1:{port}: {e.strerror or e}")
+        return _fail(_port_problem(port, e))
     print(f"sdpa view: serving {server.url} (Ctrl-C stops)", flush=True)
     if open_browser:
         threading.Thread(target=webbrowser.open, args=(server.url,), daemon=True).start()

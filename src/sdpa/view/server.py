@@ -7,25 +7,29 @@
                                         (head=mean: the head average)
     GET /head?layer=L&head=H  {"entropy": [n], "received": [n]} per token
 
-The standard library's ThreadingHTTPServer serves it: a few fixed GET endpoints on
-127.0.0.1 with JSON answers need no framework, and the package keeps torch as its
-only runtime dependency. Every query parameter is checked (known name, given once,
-an integer in range) and a bad one answers 400 with a JSON error; unknown paths 404,
-other methods 405, long request lines 414, a Host header other than this server's
-(DNS rebinding) 403. No request names a file: the assets are a fixed table.
+The standard library serves it: connections.py reads requests with a selector and
+answers them on a bounded pool of threads, and http.server's request parsing runs on each
+head; a few fixed GET endpoints on 127.0.0.1 with JSON answers need no framework, and the
+package keeps torch as its only runtime dependency. Every query parameter is checked
+(known name, given once, an integer in range) and a bad one answers 400 with a JSON
+error; unknown paths 404, other methods 405, long request lines 414, heads past
+connections.MAX_HEAD 431, a Host header other than this server's (DNS rebinding) 403.
+No request names a file: the assets are a fixed table.
 """
 
 from __future__ import annotations
 
-import contextlib
+import io
 import json
 import logging
+import socket
 import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from urllib.parse import parse_qsl, urlsplit
 
+from sdpa.view.connections import MAX_HEAD, SelectorServer, head_end, listen
 from sdpa.view.session import MEAN, Session, ViewError
 
 log = logging.getLogger(__name__)
@@ -113,10 +117,25 @@ def answer(session: Session, path: str, query: str) -> dict:
 
 
 class Handler(BaseHTTPRequestHandler):
-    """GET of the fixed endpoints; everything else refused with a JSON error."""
+    """GET of the fixed endpoints; everything else refused with a JSON error.
+
+    Runs on one request head read by the server (no socket): the answer is collected in
+    wfile, and close_connection says whether the connection ends after it.
+    """
 
     server: ViewServer
     protocol_version = "HTTP/1.1"
+
+    def __init__(self, head: bytes, client_address, server: ViewServer):
+        self.client_address, self.server = client_address, server
+        self.rfile, self.wfile = io.BytesIO(head), io.BytesIO()
+        self.close_connection = True
+        if head_end(head) < 0:  # the first MAX_HEAD bytes of a longer head
+            self.requestline, self.request_version, self.command = "", "", ""
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                            f"request head over {MAX_HEAD} bytes")  # fmt: skip
+            return
+        self.handle_one_request()
 
     def do_GET(self) -> None:
         try:
@@ -178,9 +197,8 @@ class Handler(BaseHTTPRequestHandler):
         """http.server's own refusals (a malformed request line, too many headers, an
         unsupported method) as JSON too."""
         self.close_connection = True
-        with contextlib.suppress(OSError, ValueError):  # the client may be gone
-            self._json({"error": message or HTTPStatus(code).phrase, "status": code},
-                       HTTPStatus(code))  # fmt: skip
+        self._json({"error": message or HTTPStatus(code).phrase, "status": code},
+                   HTTPStatus(code))  # fmt: skip
 
     def version_string(self) -> str:
         return "sdpa-view"
@@ -189,22 +207,35 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
 
-class ViewServer(ThreadingHTTPServer):
-    """Serves one Session on 127.0.0.1 only; port 0 takes a free port."""
+class ViewServer(SelectorServer):
+    """Serves one Session on 127.0.0.1 only; port 0 takes a free port.
 
-    daemon_threads = True
+    listener: a socket from connections.listen() to serve on instead (bound before the
+    model ran); the limits (workers, max_connections, timeouts) are SelectorServer's.
+    """
 
-    def __init__(self, session: Session, port: int = 0):
-        self._stop = threading.Event()  # before binding: a failed bind calls server_close
+    def __init__(
+        self, session: Session, port: int = 0, *, listener: socket.socket | None = None, **limits
+    ):
+        self._stop = threading.Event()
         self._stats_thread: threading.Thread | None = None
-        super().__init__(("127.0.0.1", port), Handler)
+        listener = listen(port) if listener is None else listener
+        try:
+            super().__init__(listener, **limits)
+        except Exception:
+            listener.close()
+            raise
         self.session = session
-        self.port = self.server_address[1]
+        self.port = listener.getsockname()[1]
         self.hosts = {f"127.0.0.1:{self.port}", f"localhost:{self.port}"}
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/"
+
+    def respond(self, head: bytes, address) -> tuple[bytes, bool]:
+        handler = Handler(head, address, self)
+        return handler.wfile.getvalue(), not handler.close_connection
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         """Answer requests; the statistics are computed meanwhile, layer by layer."""
@@ -222,7 +253,7 @@ class ViewServer(ThreadingHTTPServer):
             log.exception("sdpa view: computing the statistics failed")
 
     def server_close(self) -> None:
-        """Close the socket, and let the statistics thread finish the layer it is on
+        """Close the sockets, and let the statistics thread finish the layer it is on
         (a thread inside torch at interpreter exit would abort the process)."""
         super().server_close()
         self._stop.set()

@@ -274,12 +274,22 @@ def _folder(model_dir: str | None, trust_remote_code: bool) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def _loading(path: str, what: str):
-    """A loader's error (no weights, an unknown model type, custom code) as a ViewError
-    naming --model."""
+    """A loader's error as one ViewError (one line) naming --model and the folder. The
+    loaders read files the user gave, and fail in their own ways: no weights (OSError), an
+    unknown model type (ValueError, KeyError), a pickle, corrupt or truncated
+    model.safetensors (safetensors' SafetensorError), a pickle that torch's weights-only
+    loader refuses (UnpicklingError, over ten lines), a broken tokenizer.json (json's
+    error); each is the folder's fault, so any Exception the loader raises is caught."""
     try:
         yield
-    except (OSError, ValueError, KeyError) as e:
-        raise ViewError(f"--model {path!r}: cannot load its {what}: {e}") from e
+    except ViewError:
+        raise
+    except Exception as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        first = lines[0][:300] if lines else "no message"  # torch's run over 10 lines
+        raise ViewError(
+            f"--model {path!r}: cannot load its {what}: {type(e).__name__}: {first}"
+        ) from e
 
 
 def load_tokenizer(model_dir: str | None, trust_remote_code: bool = False):
@@ -304,11 +314,12 @@ def load_model(path: str, config, trust_remote_code: bool = False):
 
     import sdpa.integrations.transformers as sdpa_hf
 
+    implementation = sdpa_hf.register()  # ours: outside the loader's error net
     with _loading(path, "model"):
         return AutoModel.from_pretrained(
             path,
             config=config,
-            attn_implementation=sdpa_hf.register(),
+            attn_implementation=implementation,
             trust_remote_code=trust_remote_code,
             local_files_only=True,
         ).eval()

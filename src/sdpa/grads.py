@@ -1,0 +1,370 @@
+"""Gradients through the reads of AttentionWeights, tile by tile, in O(tile) memory.
+
+Every read R of the weights is a function of P = softmax(s), s = mod(scale q k^T) +
+bias (sdpa.tile). Its backward, given the upstream gradient g of R, recomputes each
+tile of complete rows (every key: the LSE of a row depends on all of them) from q, k
+and the LSE, asks the read's rule for dS on that tile, and sends dS back through the
+scores:
+
+    dS_ij = P_ij (G_ij - D_i),  D_i = sum_j P_ij G_ij     (the softmax backward; a rule
+                                                           gives PG = P * G)
+    d(q . k) = raw_grad(dS) (scale, the softcap's tanh)   dq = d(q.k) K, dk = d(q.k)^T Q
+    dmask = dS (a float mask is added after the softcap)   dsink_i = -p_sink_i D_i
+
+The LSE's own dependence on q and k is inside dS (the -P D term). Nothing L x S is
+stored: each tile is rebuilt, used and dropped. `read` wraps a read's forward (its
+value from the providers, without autograd) and this backward into one autograd
+Function; the settings in force at the forward are the ones its backward uses.
+First order only: a double backward is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from sdpa import rows, settings, tile
+from sdpa.errors import NotSupportedError
+from sdpa.inputs import Inputs
+
+
+class TileGrad(NamedTuple):
+    """What a rule sees of one tile: its place (rows.Tile), the weights P and log P
+    (1, h, r, S) of its complete rows, and the sink's share p_sink (1, h, r) or None."""
+
+    where: rows.Tile
+    p: torch.Tensor
+    logp: torch.Tensor
+    p_sink: torch.Tensor | None
+
+
+# A rule: (tile, upstream gradient) -> (dS (1, h, r, S), dsink (1, h, r) or None).
+Rule = Callable[[TileGrad, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def softmax_rule(pg_of: Callable[[TileGrad, torch.Tensor], torch.Tensor]) -> Rule:
+    """The rule of a read that is a function of P alone, from PG = P * dR/dP on a tile:
+    dS = PG - P D, D = sum_j PG, and the sink's dS = -p_sink D."""
+
+    def rule(t: TileGrad, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pg = pg_of(t, g)  # (1, h, r, S)
+        d = pg.sum(dim=-1, keepdim=True)  # (1, h, r, 1)
+        ds = pg.sub_(t.p * d)
+        return ds, None if t.p_sink is None else -t.p_sink * d[..., 0]
+
+    return rule
+
+
+class Needs(NamedTuple):
+    """Which inputs want a gradient."""
+
+    q: bool
+    k: bool
+    mask: bool
+    sinks: bool
+
+
+def backward(
+    inputs: Inputs, lse: torch.Tensor, sel: rows.Rows, rule: Rule, needs: Needs, g: object
+) -> tuple[torch.Tensor | None, ...]:
+    """(dq (B, Hq, L, E), dk (B, Hkv, S, E), dmask (the mask's shape), dsinks (the
+    sinks' shape)) of a read over the rows of `sel` (its keys: every key), tile by tile;
+    None where not needed."""
+    q_all, k_all = inputs.query, inputs.key
+    cd = inputs.compute_dtype
+    dq = torch.zeros(q_all.shape, dtype=cd, device=q_all.device) if needs.q else None
+    dk = torch.zeros(k_all.shape, dtype=cd, device=k_all.device) if needs.k else None
+    mask = inputs.mask
+    dmask = torch.zeros(mask.shape, dtype=cd, device=mask.device) if needs.mask else None
+    sinks = inputs.sinks
+    dsinks = torch.zeros(sinks.shape, dtype=cd, device=sinks.device) if needs.sinks else None
+    scoring = tile.Scoring.of(inputs)
+    L = q_all.shape[2]
+    group = inputs.group
+    sel = sel._replace(keys=rows.ALL)
+    for t in rows.tiles(sel, settings.get().chunk_bytes):
+        q, k, lse_t, sinks_t, window = rows.operands(sel, t)
+        raw = tile.scores(q, k, scoring)  # (1, h, r, S), capped, before the mask
+        s = tile.exclude(raw.clone() if scoring.softcap is not None else raw, window)
+        shifted, c = tile.shift(s, lse_t, exact=True)
+        e = shifted.exp()
+        total = tile.normalizer(e, c, sinks_t)
+        p = e.div_(total)
+        logp = shifted.sub_(total.log())
+        p_sink = None
+        if sinks_t is not None:  # the sink's share of each row (1, h, r)
+            p_sink = (torch.exp(sinks_t[..., None] - c) / total)[..., 0]
+        ds, dsink = rule(TileGrad(t, p, logp, p_sink), g)
+        hs = slice(t.heads.start, t.heads.stop, t.heads.step)
+        if dmask is not None:
+            _add_mask_grad(dmask, ds, t, hs, L)
+        if dsinks is not None and dsink is not None:
+            _add_sink_grad(dsinks, dsink, t, hs)
+        if dq is None and dk is None:
+            continue
+        draw = tile.raw_grad(ds, raw, scoring)  # d(q . k): (1, h, r, S)
+        h, r = draw.shape[1], draw.shape[2]
+        kv = k.shape[1]
+        folded = draw.reshape(1, kv, (h // kv) * r, draw.shape[-1])  # query heads into rows
+        if dq is not None:
+            part = torch.matmul(folded, k.to(cd)).view(1, h, r, -1)  # (1, h, r, E)
+            rows_of = dq[t.b : t.b + 1, hs]
+            if isinstance(t.q_rows, slice):
+                rows_of[:, :, t.q_rows] += part
+            else:
+                rows_of.index_add_(2, t.q_rows, part)
+        if dk is not None:
+            qf = q.to(cd).reshape(1, kv, (h // kv) * r, -1)
+            kv0 = t.heads.start // group
+            dk[t.b : t.b + 1, kv0 : kv0 + kv] += torch.matmul(folded.mT, qf)  # (1, kv, S, E)
+    return dq, dk, dmask, dsinks
+
+
+def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, t: rows.Tile, hs: slice, L: int):
+    """dmask[b, heads, rows] += dS, summed over the mask's broadcast dims."""
+    part = ds
+    b = slice(t.b, t.b + 1) if dmask.shape[0] > 1 else slice(0, 1)
+    if dmask.shape[1] == 1:
+        part = part.sum(dim=1, keepdim=True)
+        heads = slice(0, 1)
+    else:
+        heads = hs
+    if dmask.shape[3] == 1:
+        part = part.sum(dim=3, keepdim=True)
+    target = dmask[b, heads]
+    if dmask.shape[2] == 1:
+        target.add_(part.sum(dim=2, keepdim=True))
+    elif isinstance(t.q_rows, slice):
+        target[:, :, t.q_rows].add_(part)
+    else:
+        target.index_add_(2, t.q_rows, part)
+
+
+def _add_sink_grad(dsinks: torch.Tensor, dsink: torch.Tensor, t: rows.Tile, hs: slice):
+    """dsinks (B, Hq, L|1) [b, heads, rows] += dsink (1, h, r)."""
+    target = dsinks[t.b : t.b + 1, hs]
+    if dsinks.shape[-1] == 1:
+        target.add_(dsink.sum(dim=-1, keepdim=True))
+    elif isinstance(t.q_rows, slice):
+        target[:, :, t.q_rows].add_(dsink)
+    else:
+        target.index_add_(2, t.q_rows, dsink)
+
+
+def needs(inputs: Inputs) -> Needs | None:
+    """Which of q, k, a float mask and the sinks want gradients of a read now, or None
+    (grad mode off, or none requires grad): decided in O(1)."""
+    if not torch.is_grad_enabled():
+        return None
+    mask = inputs.mask
+    n = Needs(
+        inputs.query.requires_grad,
+        inputs.key.requires_grad,
+        isinstance(mask, torch.Tensor) and mask.requires_grad,
+        inputs.sinks is not None and inputs.sinks.requires_grad,
+    )
+    return n if any(n) else None
+
+
+class Side(NamedTuple):
+    """One attention whose weights a read depends on: its inputs and LSE, the rows the
+    read reads (its backward reads every key of them), its rule and what needs grads."""
+
+    inputs: Inputs
+    lse: torch.Tensor
+    selection: rows.Rows
+    rule: Rule
+    needs: Needs
+
+
+# A tensor the read also depends on (rmatmul's u, a dense KL target): (tensor, its
+# gradient from the upstream one), run after the sides' backward.
+Extra = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+
+
+class _Read(torch.autograd.Function):
+    """value() without autograd; backward: each side's tile-by-tile backward with its
+    rule, then each extra tensor's gradient."""
+
+    @staticmethod
+    def forward(ctx, value, sides, extras, *tensors):
+        ctx.sides, ctx.extras = sides, extras
+        ctx.tuning = settings.get()  # autograd's threads do not see the caller's context
+        return value()
+
+    @staticmethod
+    def backward(ctx, g):
+        if torch.is_grad_enabled():
+            raise NotSupportedError(
+                "a double backward through a read of AttentionWeights (create_graph=True): "
+                "the reads' gradients are first order only; differentiate the listing's "
+                "math (sdpa.listing.attention) for higher orders"
+            )
+        out: list[torch.Tensor | None] = [None, None, None]
+        with settings.using(ctx.tuning):
+            for side in ctx.sides:
+                out += backward(side.inputs, side.lse, side.selection, side.rule, side.needs, g)
+            out += [grad_of(g) for _, grad_of in ctx.extras]
+        return tuple(out)
+
+
+def _tensors(side: Side) -> list[torch.Tensor | None]:
+    i = side.inputs
+    mask = i.mask if isinstance(i.mask, torch.Tensor) and side.needs.mask else None
+    return [i.query, i.key, mask, i.sinks if side.needs.sinks else None]
+
+
+def read_sides(
+    value: Callable[[], torch.Tensor], sides: list[Side], extras: list[Extra] = ()
+) -> torch.Tensor:
+    """A read's value (computed without autograd), carrying its gradient to each side's
+    q, k, float mask and sinks, and to the extra tensors."""
+    tensors = [t for side in sides for t in _tensors(side)] + [t for t, _ in extras]
+    return _Read.apply(value, tuple(sides), tuple(extras), *tensors)
+
+
+class Spec(NamedTuple):
+    """A read of one attention's weights (see Side) and how to compute its value."""
+
+    inputs: Inputs
+    lse: torch.Tensor
+    selection: rows.Rows
+    rule: Rule
+    needs: Needs
+    value: Callable[[], torch.Tensor]
+
+
+def read(spec: Spec) -> torch.Tensor:
+    """The read's value, carrying its gradient to q, k, a float mask and the sinks."""
+    side = Side(spec.inputs, spec.lse, spec.selection, spec.rule, spec.needs)
+    return read_sides(spec.value, [side])
+
+
+# -- rules ---------------------------------------------------------------------------
+
+
+def _place(g: torch.Tensor, t: TileGrad) -> torch.Tensor:
+    """The tile's slice of an upstream gradient laid out (B', H', n, ...)."""
+    w = t.where
+    return g[w.at_b : w.at_b + 1, w.at_h, w.at_r]
+
+
+def rows_rule(keys: slice | torch.Tensor) -> Rule:
+    """Dense rows (full(), indexing): R = P[rows][:, keys]; G = g at those keys."""
+
+    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+        gt = _place(g, t)  # (1, h, r, m)
+        if isinstance(keys, slice) and keys == rows.ALL:
+            return t.p * gt
+        out = torch.zeros_like(t.p)
+        if isinstance(keys, slice):
+            out[..., keys] = gt
+        else:
+            out.index_add_(-1, keys, gt)  # (repeated keys add up, as indexing's backward)
+        return out.mul_(t.p)
+
+    return softmax_rule(pg)
+
+
+def key_sums_rule(scale: float = 1.0) -> Rule:
+    """sum(dim=-2) (mean: scale 1 / L): R_j = sum_i P_ij; G_ij = g_j."""
+
+    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+        w = t.where
+        return t.p * (g[w.at_b : w.at_b + 1, w.at_h][:, :, None, :] * scale)
+
+    return softmax_rule(pg)
+
+
+def entropy_rule() -> Rule:
+    """entropy(): R_i = -sum_j P log P; PG = -g_i (P log P + P), 0 where P = 0."""
+
+    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+        plogp = torch.where(t.p > 0, t.p * t.logp, 0.0)
+        return (plogp + t.p).mul_(-_place(g, t)[..., None])
+
+    return softmax_rule(pg)
+
+
+def amax_rule(_value: object = None) -> Rule:
+    """amax(): R_i = max_j P_ij, the gradient split evenly between tied maxima (as
+    torch.amax's backward splits it); the maxima found on the tile itself."""
+
+    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+        at_top = t.p == t.p.amax(dim=-1, keepdim=True)
+        share = _place(g, t)[..., None] / at_top.sum(dim=-1, keepdim=True)
+        return torch.where(at_top & (t.p > 0), t.p * share, 0.0)
+
+    return softmax_rule(pg)
+
+
+def topk_rule(indices: torch.Tensor) -> Rule:
+    """topk(k) values: R_ir = P[i, idx_ir]; G at those keys."""
+
+    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(t.p)
+        out.scatter_add_(-1, _place(indices, t), _place(g, t))
+        return out.mul_(t.p)
+
+    return softmax_rule(pg)
+
+
+def lse_rule() -> Rule:
+    """lse: dlse_i/ds_ij = P_ij, dlse_i/dz_i = p_sink_i (not a function of P alone)."""
+
+    def rule(t: TileGrad, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        gt = _place(g, t)  # (1, h, r)
+        return t.p * gt[..., None], None if t.p_sink is None else t.p_sink * gt
+
+    return rule
+
+
+def pairs_rule(qi: torch.Tensor, kj: torch.Tensor, S: int) -> Rule:
+    """pairs(qi, kj): R_p = P[qi_p, kj_p] (qi, kj (1|B, P)); G at those pairs (repeated
+    pairs add up)."""
+
+    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+        w = t.where
+        b = w.b if qi.shape[0] > 1 else 0
+        r0, r1 = w.q_rows.start, w.q_rows.stop  # (every-row selections: a slice)
+        inside = (qi[b] >= r0) & (qi[b] < r1)
+        flat = (qi[b][inside] - r0) * S + kj[b][inside]
+        gt = g[w.at_b : w.at_b + 1, w.at_h][..., inside]  # (1, h, P')
+        out = torch.zeros(*t.p.shape[:2], t.p.shape[2] * S, dtype=t.p.dtype, device=t.p.device)
+        out.index_add_(-1, flat, gt.to(t.p.dtype))
+        return out.view(t.p.shape).mul_(t.p)
+
+    return softmax_rule(pg)
+
+
+def kl_rule(other: Callable[[rows.Tile], torch.Tensor], weighs: bool) -> Rule:
+    """The gradient of a KL into one side's scores, other(tile) giving the other side's
+    log-weights on the same tile. The side that weighs the sum (Q of KL(Q || P)):
+    dKL/dQ = log Q - log P + 1, so PG = g Q (log Q - log P + 1) (0 where Q = 0). The
+    side inside the log: dKL/dP = -Q / P, so PG = -g Q. The softmax backward (sinks
+    included) does the rest."""
+
+    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+        gt = _place(g, t)[..., None]  # (1, h, r, 1)
+        logo = other(t.where)
+        if weighs:
+            terms = torch.where(t.p > 0, t.p * (t.logp - logo + 1.0), 0.0)
+        else:
+            terms = logo.exp().neg_()
+        return terms.mul_(gt)
+
+    return softmax_rule(pg)
+
+
+def weighted_rows_rule(u: torch.Tensor) -> Rule:
+    """u @ w: R_fj = sum_i u_fi P_ij (u (B, H, F, L)); G_ij = sum_f u_fi g_fj."""
+
+    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+        w = t.where
+        ut = u[w.at_b : w.at_b + 1, w.at_h][..., w.at_r].to(t.p.dtype)  # (1, h, F, r)
+        gt = g[w.at_b : w.at_b + 1, w.at_h].to(t.p.dtype)  # (1, h, F, S)
+        return torch.matmul(ut.mT, gt).mul_(t.p)
+
+    return softmax_rule(pg)

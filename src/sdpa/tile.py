@@ -1,0 +1,494 @@
+"""The one tile rule: how the scores of a tile of queries x keys become weights.
+
+Every engine is a driver that chooses tiles and calls these: the reference and small
+backends, the chunked backend, the fused backend's empty pieces and sinks, the weights'
+rows engine and the backward of the reads, and ring attention's block math.
+
+    Scoring.of(inputs)            the score modifiers (scale, softcap), in one record
+    window(mask, causal, ...)     the mask of a rows x keys window (tensor slice,
+                                  structured keep, causal visibility), or of pairs
+    scores(q, k, scoring)         s = mod(scale * q k^T), grouped-query heads folded in
+    pair_scores(q, k, scoring)    the same for chosen (query, key) pairs
+    exclude(s, window)            -inf where a key is excluded, a float mask added
+    values(p, v)                  p v, grouped-query heads folded in
+    finish(s, sinks)              probabilities and the LSE: the edge convention below
+    shift(s, lse), normalizer,    probabilities from an LSE computed elsewhere (or the
+    entropy_of, rebuild           row max), normalised by each row's own sum
+    merge(a, b), add_sinks(...)   partial (out, lse) over disjoint keys, exactly
+    no_keys(...)                  the result of rows that see no key
+
+The edge convention, defined here and nowhere else (tests/test_rules.py holds every
+engine to it):
+- a row sees no key when every one of its scores is -inf (excluded by the mask or by
+  causality, or -inf in a float mask): its weights and output are 0, its LSE 0 (torch's
+  fused convention); sinks merge on top of that (LSE logaddexp(0, z));
+- a NaN or +inf score (from q, k, or NaN / +inf in a float mask) makes its row NaN, as
+  the listing's softmax does;
+- scale = 0 gives every visible key the same score: uniform weights.
+Rows are normalised by their own sum of exponentials (the row max subtracted first, as
+torch's softmax does), so a weight's error is that of its score, not eps x |lse|.
+
+Shapes: q (B, H, n, E), k (B, Hkv, m, E), Hkv dividing H (query head h uses key head
+h // (H // Hkv)); scores and weights (B, H, n, m); lse (B, H, n); masks broadcast to
+(B, H, n, m); sinks (B, H, n) or (B, H, 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from sdpa import masks
+from sdpa.inputs import compute_dtype, empty, known
+
+LOG2E = 1.0 / math.log(2.0)
+_ZERO = {d: torch.zeros((), dtype=d) for d in (torch.float32, torch.float64)}  # baddbmm's C
+
+
+class Scoring(NamedTuple):
+    """What turns q . k into a score: s = softcap * tanh(scale * q.k / softcap), or
+    scale * q.k without a softcap. A new score modifier is one more field here, applied
+    in `scores` and differentiated in `raw_grad`."""
+
+    scale: float
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, inputs) -> Scoring:
+        """The scoring of an `Inputs` record (or anything with .scale and .softcap)."""
+        return cls(inputs.scale, inputs.softcap)
+
+
+def _grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records work on these tensors (then nothing is done in place)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# -- the mask of a window ------------------------------------------------------------
+
+
+def positions(index: slice | torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """The positions (r,) that a slice (or a tensor of positions) picks among n."""
+    if isinstance(index, torch.Tensor):
+        return index
+    return torch.arange(*index.indices(n), device=device)
+
+
+def cut(
+    t: torch.Tensor, dim: int, index: slice | torch.Tensor, broadcast: bool = False
+) -> torch.Tensor:
+    """t's entries `index` along dim (a view for slices); with broadcast, a dim of size 1
+    (a mask's broadcast dim) stays as it is."""
+    if broadcast and t.shape[dim] == 1:
+        return t
+    if isinstance(index, slice):
+        return t if index == slice(None) else t[(slice(None),) * dim + (index,)]
+    return t.index_select(dim, index)
+
+
+def combine(mask: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask (bool keep or float bias) AND a bool keep-mask, broadcasting."""
+    if keep is None:
+        return mask
+    if mask is None:
+        return keep
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, -torch.inf)
+
+
+def window(
+    mask: torch.Tensor | masks.Mask | None,
+    causal: bool,
+    L: int,
+    S: int,
+    rows: slice | torch.Tensor = slice(None),
+    keys: slice | torch.Tensor = slice(None),
+    device: torch.device | str = "cpu",
+) -> torch.Tensor | None:
+    """The mask of query rows `rows` over keys `keys` (slices, or tensors of positions
+    among the L queries and S keys), causality included: (B|1, H|1, r, c) bool
+    (True = takes part) or float (added), or None where nothing masks.
+
+    mask: a tensor (B|1, H|1, L, S) (cut, a view where it can be), a structured mask
+    (its keep for these positions, (Bm, 1, r, c)), or None. causal: top-left."""
+    structured = isinstance(mask, masks.Mask)
+    if structured or causal:
+        q_pos, k_pos = positions(rows, L, device), positions(keys, S, device)
+    if structured:
+        out = mask.keep(q_pos, k_pos, L, S)[:, None]  # (Bm, 1, r, c)
+    elif mask is not None:
+        out = cut(cut(mask, 2, rows, True), 3, keys, True)  # (B|1, H|1, r, c)
+    else:
+        out = None
+    if causal:
+        out = combine(out, masks.visible_grid(q_pos, k_pos)[None, None])  # (1, 1, r, c)
+    return out
+
+
+def window_pairs(
+    mask: torch.Tensor | masks.Mask | None,
+    causal: bool,
+    L: int,
+    S: int,
+    qi: torch.Tensor,
+    kj: torch.Tensor,
+) -> torch.Tensor | None:
+    """The mask at P (query, key) pairs, qi and kj (1|B, P) positions: (B'|1, H|1, P)
+    bool or float (B' = the larger of the pairs' and the mask's batch), or None."""
+    if isinstance(mask, masks.Mask):
+        if qi.shape[0] == 1:  # pairs shared by every batch element
+            out = mask.keep_pairs(qi[0], kj[0], L, S)  # (Bm, P)
+        else:
+            out = torch.stack(
+                [
+                    mask.keep_pairs(qi[b], kj[b], L, S)[b if mask.batch else 0]
+                    for b in range(qi.shape[0])
+                ]
+            )  # (B, P)
+        out = out[:, None]  # (B'|1, 1, P)
+    elif mask is not None:
+        Bm = max(mask.shape[0], qi.shape[0])
+        b = torch.arange(Bm, device=qi.device)[:, None]
+        out = mask.expand(Bm, *mask.shape[1:])[b, :, qi, kj].permute(0, 2, 1)  # (Bm, Hm, P)
+    else:
+        out = None
+    if causal:
+        out = combine(out, masks.visible(qi, kj)[:, None])  # top-left, elementwise
+    return out
+
+
+# The additive forms of the last few bool masks seen (a model's layers share one mask
+# per forward): (data_ptr, on CPU, shape, strides, dtype) -> (the mask view, its version,
+# the bias). The entry holds the mask, so no other tensor can take its memory while
+# cached; a changed version (an in-place write) misses. Only masks whose storage is at
+# most ADDITIVE_CACHE_BYTES are kept, at most ADDITIVE_CACHE_ENTRIES of them.
+ADDITIVE_CACHE_ENTRIES = 4
+ADDITIVE_CACHE_BYTES = 2**20
+_additive_cache: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+
+def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Keep-mask (bool) -> additive 0/-inf in `dtype`; float masks pass through.
+
+    Converts only the distinct entries: broadcast (stride-0) dims stay broadcast, so a
+    (B, 1, 1, S) key-padding mask costs O(B*S), not O(B*L*S). The same small mask
+    (unchanged in place) is converted once (see ADDITIVE_CACHE_ENTRIES).
+    """
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    if (
+        torch.compiler.is_compiling()
+        or mask.is_inference()
+        or mask.untyped_storage().nbytes() > ADDITIVE_CACHE_BYTES
+    ):
+        return _additive(mask, dtype)
+    key = (mask.data_ptr(), mask.is_cpu, mask.shape, mask.stride(), dtype)
+    hit = _additive_cache.get(key)
+    if hit is not None and hit[1] == mask._version:
+        return hit[2]
+    bias = _additive(mask, dtype)
+    if len(_additive_cache) >= ADDITIVE_CACHE_ENTRIES:
+        del _additive_cache[next(iter(_additive_cache))]  # the oldest
+    _additive_cache[key] = (mask, mask._version, bias)
+    return bias
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    base = distinct(mask)
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    bias = torch.where(base, zero, zero - torch.inf)  # one pass, no inverted copy
+    return bias.expand(mask.shape)
+
+
+def causal_bias(L: int, S: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The top-left causal mask (L, S) in additive form: 0 where query i sees key j
+    (masks.visible), -inf elsewhere. Small ones are built once per (L, S, dtype, device)
+    (a model's layers and steps share them); treat the result as read-only."""
+    if L * S * 8 > ADDITIVE_CACHE_BYTES or torch.compiler.is_compiling():
+        return _causal_bias(L, S, dtype, device)
+    return _cached_causal_bias(L, S, dtype, device)
+
+
+def _causal_bias(L, S, dtype, device) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(masks.top_left(L, S, device), zero, zero - torch.inf)  # (L, S)
+
+
+@functools.lru_cache(maxsize=ADDITIVE_CACHE_ENTRIES)
+def _cached_causal_bias(L, S, dtype, device) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever the mode
+        return _causal_bias(L, S, dtype, device)
+
+
+def distinct(t: torch.Tensor) -> torch.Tensor:
+    """The entries a broadcast view repeats: each stride-0 dim cut to size 1 (a view)."""
+    sizes = [1 if known(st == 0) else n for n, st in zip(t.shape, t.stride(), strict=True)]
+    return t.as_strided(sizes, t.stride())
+
+
+def sees_no_key(window: torch.Tensor) -> torch.Tensor:
+    """The rows (..., 1) of a window that see no key: a bool keep-mask with no True, or
+    float scores / a float mask that is -inf everywhere. The one definition of a row
+    that sees no key; read on the window's distinct entries (a broadcast key-padding
+    mask costs O(B x S))."""
+    base = distinct(window)
+    if base.dtype == torch.bool:
+        return base.any(dim=-1, keepdim=True).logical_not_()
+    return torch.isneginf(base.amax(dim=-1, keepdim=True))
+
+
+# -- scores --------------------------------------------------------------------------
+
+
+def scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scoring: Scoring,
+    out: torch.Tensor | None = None,
+    minus: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """s = softcap(scale * q k^T), (B, H, n, m) in the compute dtype (float32 for 16-bit
+    inputs): q (B, H, n, E), k (B, Hkv, m, E), the query heads of a key head folded into
+    rows (no copy of k). Differentiable; in place (and into `out`) without autograd.
+
+    minus (B, H, n), without a softcap: s - minus per row, the shift added by the
+    product itself (baddbmm's C: rounded once, after the product, as s - minus would
+    be), saving a pass over the tile."""
+    cd = compute_dtype(q.dtype)
+    if q.dtype is not cd:
+        q, k = q.to(cd), k.to(cd)
+    B, H, n, E = q.shape
+    Hkv, m = k.shape[1], k.shape[2]
+    g = 1 if empty(Hkv) else H // Hkv
+    cap = scoring.softcap
+    alpha = scoring.scale if cap is None else scoring.scale / cap  # the cap's 1/c folded in
+    folded = q.reshape(B * Hkv, g * n, E)  # (B*Hkv, g*n, E)
+    kt = k.reshape(B * Hkv, m, E).mT  # (B*Hkv, E, m)
+    grad = _grad(q, k)
+    if alpha == 0:  # (BLAS may skip the product for alpha 0: keep inf * 0 = NaN)
+        s = torch.bmm(folded, kt) * 0.0
+    else:
+        into = None if out is None or grad else out.view(B * Hkv, g * n, m)
+        if minus is not None and cap is None:  # C = -minus, broadcast over the keys
+            c = minus.to(cd).reshape(B * Hkv, g * n, 1).neg()
+            s = torch.baddbmm(c, folded, kt, beta=1.0, alpha=alpha, out=into)
+            return s.view(B, H, n, m)
+        zero = _ZERO.get(cd) if q.is_cpu else None
+        zero = q.new_zeros(()) if zero is None else zero
+        s = torch.baddbmm(zero, folded, kt, beta=0.0, alpha=alpha, out=into)
+    s = s.view(B, H, n, m)
+    if cap is not None:
+        s = torch.tanh(s) * cap if grad else s.tanh_().mul_(cap)
+    if minus is not None:
+        s = s - minus[..., None] if grad else s.sub_(minus[..., None])
+    return s
+
+
+def pair_scores(q: torch.Tensor, k: torch.Tensor, scoring: Scoring) -> torch.Tensor:
+    """The scores of P (query, key) pairs: q (B, H, P, E) against k (B, Hkv, P, E), pair
+    p of query head h with its key head's pair p -> (B, H, P), as `scores` scores them."""
+    cd = compute_dtype(q.dtype)
+    B, H, P, E = q.shape
+    Hkv = k.shape[1]
+    raw = (q.to(cd).view(B, Hkv, H // Hkv, P, E) * k.to(cd)[:, :, None]).sum(-1)  # (B,Hkv,g,P)
+    s = raw.view(B, H, P) * scoring.scale
+    if scoring.softcap is not None:
+        s = torch.tanh(s / scoring.softcap) * scoring.softcap
+    return s
+
+
+def values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """p (B, H, n, m) @ v (B, Hkv, m, Ev) -> (B, H, n, Ev) in p's dtype, the query heads
+    of a key head folded into rows (no copy of v)."""
+    B, H, n, m = p.shape
+    Hkv, Ev = v.shape[1], v.shape[3]
+    if v.dtype is not p.dtype:
+        v = v.to(p.dtype)
+    if Hkv == H or empty(Hkv):
+        return torch.matmul(p, v.expand(B, H, m, Ev))
+    out = torch.matmul(p.reshape(B, Hkv, H // Hkv * n, m), v)  # (B, Hkv, g*n, Ev)
+    return out.view(B, H, n, Ev)
+
+
+def raw_grad(ds: torch.Tensor, s: torch.Tensor, scoring: Scoring) -> torch.Tensor:
+    """dL/d(q.k) from dL/ds for scores s = scores(...): scale, through the softcap's
+    tanh (ds/du = 1 - (s / c)^2). In place on ds."""
+    if scoring.softcap is not None:
+        ds.mul_(1.0 - (s / scoring.softcap).square_())
+    return ds.mul_(scoring.scale)
+
+
+def exclude(s: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
+    """Scores with a window applied: -inf where a bool window excludes a key, a float
+    window added. In place without autograd."""
+    if window is None:
+        return s
+    grad = _grad(s, window)
+    if window.dtype == torch.bool:
+        return s.masked_fill(~window, -torch.inf) if grad else s.masked_fill_(~window, -torch.inf)
+    return s + window if grad else s.add_(window)
+
+
+# -- scores to probabilities ---------------------------------------------------------
+
+
+def finish(
+    s: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+    *,
+    lse: bool = True,
+    log: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of scores s (B, H, n, m) and their LSE: (p, lse (B, H, n)), or
+    (log p, lse) with log=True (-inf where a key is excluded). The edge convention of
+    the module docstring. sinks (B, H, n|1): one more logit per row whose value is 0.
+
+    lse=False (and no sinks, no log): torch's softmax, then a check of each row's first
+    weight finds the rare rows to repair (CPU: the check is a read of one column).
+    Otherwise the row max first, then exp, sum and log; in place without autograd.
+    Differentiable in s and sinks; the LSE is returned detached."""
+    grad = _grad(s, sinks)
+    if empty(s.shape[-1]):  # no key at all: every row sees none
+        row_lse = s.new_zeros(s.shape[:-1])
+        if sinks is not None:
+            row_lse = torch.logaddexp(row_lse, sinks.detach().expand_as(row_lse))
+        return (s if not log else s - 0.0), row_lse
+    if not lse and sinks is None and not log and s.is_cpu:
+        p = torch.softmax(s, dim=-1)
+        odd = torch.isnan(p[..., :1])  # a NaN row: it sees no key, or has a NaN / +inf score
+        if not bool(odd.any()):
+            return p, None
+        dead = odd & torch.isneginf(s.detach().amax(dim=-1, keepdim=True))
+        if grad:  # softmax of a row of -inf has a NaN gradient: recompute it filled
+            return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0), None
+        return p.masked_fill_(dead, 0.0), None
+    top = s.detach().amax(dim=-1, keepdim=True)  # (B, H, n, 1): NaN / +inf rows stay so
+    dead = torch.isneginf(top)
+    top = top.masked_fill(dead, 0.0)
+    shifted = s - top if grad else s.sub_(top)  # dead rows stay -inf
+    e = torch.exp(shifted) if grad else shifted.exp_() if not log else torch.exp(shifted)
+    total = e.sum(dim=-1, keepdim=True)  # (B, H, n, 1); 0 for a row that sees no key
+    if sinks is not None:  # the sink's share of the denominator
+        total = total + torch.exp(sinks[..., None] - top)
+    with torch.no_grad():
+        lse_keys = top + torch.log(total.detach())
+        row_lse = lse_keys[..., 0].masked_fill(dead[..., 0], 0.0)  # (B, H, n)
+        if sinks is not None:  # a row that sees no key: lse 0, then the sink on top
+            z = sinks.detach().expand_as(row_lse)
+            row_lse = torch.where(dead[..., 0], torch.logaddexp(torch.zeros_like(z), z), row_lse)
+    total = total.masked_fill(dead & (total == 0), 1.0)  # 0 / 1 = 0 where no key is seen
+    if log:
+        return (shifted - torch.log(total) if grad else shifted.sub_(total.log_())), row_lse
+    return (e / total if grad else e.div_(total)), row_lse
+
+
+def shift(s: torch.Tensor, lse: torch.Tensor, *, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores shifted by a per-row constant c, in place: (t = s - c (B, H, n, m), c
+    (B, H, n, 1)), so that p = exp(t) / sum_j exp(t) for any c. c is the LSE computed
+    elsewhere (the fused kernel's: exp(t) is then p itself, up to the LSE's rounding),
+    or with exact the row max (as torch's softmax subtracts it: where a float32 LSE has
+    lost digits, |lse| past the settings' exact_lse_limit). A row that sees no key stays
+    -inf; a NaN LSE (the kernel's mark of a NaN or +inf score) gives a NaN row. Not
+    differentiable (the reads' backward is its own)."""
+    if exact:
+        c = s.amax(dim=-1, keepdim=True)  # (B, H, n, 1)
+        c.masked_fill_(torch.isneginf(c), 0.0)
+    else:
+        c = lse[..., None]
+    return s.sub_(c), c
+
+
+def normalizer(e: torch.Tensor, c: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Each row's sum of e = exp(s - c) (B, H, n, m), the sink's exp(z - c) included
+    (sinks (B, H, n|1)): (B, H, n, 1); 1 where a row sees no key (its weights are then
+    0 / 1 = 0)."""
+    total = e.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sinks[..., None] - c)
+    return total.masked_fill_(total == 0, 1.0)
+
+
+def entropy_of(
+    t: torch.Tensor, e: torch.Tensor, total: torch.Tensor, sinks: bool = False
+) -> torch.Tensor:
+    """-sum_j p_ij ln p_ij over the keys from shifted scores t, e = exp(t) and the rows'
+    normalizer (p = e / total): ln(total) sum_j p - sum_j e t / total, (B, H, n), for any
+    shift (no cancellation against the LSE); sum_j p = 1 but with sinks. Excluded keys
+    (t = -inf, e = 0) add 0; a row that sees no key gives 0; NaN rows stay NaN.
+    Consumes t."""
+    total = total[..., 0]
+    mass = e.sum(dim=-1) / total if sinks else 1.0
+    et = e * t.clamp_(min=torch.finfo(t.dtype).min)  # 0 * -inf -> 0 (NaN stays NaN)
+    return torch.log(total) * mass - et.sum(dim=-1) / total
+
+
+def rebuild(t: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Weights of a selection of keys from an LSE computed elsewhere: p = exp(s - lse),
+    in place on the scores t (B, H, n, m) (a selection cannot be normalised by its own
+    row sum). A NaN LSE gives a NaN row."""
+    return t.sub_(lse[..., None]).exp_()
+
+
+def kl_of(logp: torch.Tensor, logq: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """KL(Q || P) = sum_j q (log q - log p) per row of log-weights (B, H, n, m), or with
+    reverse KL(P || Q); 0 * log 0 = 0: a key the first distribution gives 0 adds 0."""
+    first, second = (logp, logq) if reverse else (logq, logp)
+    w = first.exp()
+    terms = torch.where(w > 0, w * (first - second), 0.0)
+    return terms.sum(dim=-1)
+
+
+def merge(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor | None,
+    lse_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial results over disjoint sets of keys, merged exactly: each is (out
+    (..., n, Ev) normalised over its own keys, lse (..., n)); lse -inf marks a part with
+    no key for that row (its out is ignored). out_b None is a part whose value is 0 (a
+    sink). Returns (out, lse) over both: lse = logaddexp, out = sum of exp(lse_x - lse)
+    out_x. The block plans' pieces, the sinks and the ring's shards all merge here;
+    `settle` turns a row that saw no key anywhere (-inf) into the convention's 0."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * _share(lse_a, lse).to(out_a.dtype)
+    if out_b is not None:
+        out = out + out_b * _share(lse_b, lse).to(out_b.dtype)
+    return out, lse
+
+
+def _share(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(lse_part - lse), (..., n, 1): 0 where the part saw no key (-inf, also when no
+    part did: -inf - -inf), NaN where either is NaN."""
+    share = torch.exp(lse_part - lse)
+    return torch.where(torch.isneginf(lse_part), 0.0, share)[..., None]
+
+
+def settle(lse: torch.Tensor) -> torch.Tensor:
+    """An accumulated LSE with the convention's 0 where a row saw no key (-inf)."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def add_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sink logit z per row is a key with score z and value 0, merged on top of a
+    kernel's (out, lse) (lse 0 for a row that sees no key: it stays 0 output with lse
+    logaddexp(0, z), the convention)."""
+    return merge(out, lse, None, sinks.expand_as(lse))
+
+
+def no_keys(
+    q: torch.Tensor, Ev: int, sinks: torch.Tensor | None, cd: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (..., n, Ev) zeros in q's dtype, lse (..., n)) of rows that see no key: lse
+    0, then any sinks merged on top."""
+    out = q.new_zeros(*q.shape[:-1], Ev)
+    lse = q.new_zeros(q.shape[:-1], dtype=cd)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.detach().expand_as(lse))
+    return out, lse
