@@ -13,9 +13,10 @@ are compared at 1e-5, patterns and scores densified. Then two hooked runs: a use
 own hook halving head 0's pattern (the dense path) and sdpa's ScaleHeads edit (the
 fused path), each against the same hook on eager.
 
-Statuses: "match" (every value within 1e-5, and the attention ran fused: no deferred
-tensor fell back to dense values), "match (dense fallback)" (values equal, but an op
-made the deferred scores dense; detail names it), "mismatch", "error" (eager ran,
+Statuses: "match" (every value within 1e-5, and every attention bridge ran fused: each
+made an sdpa call and no deferred tensor fell back to dense values), "match (dense
+fallback)" (values equal, but some attention ran eagerly; detail names the op or the
+bridge), "mismatch", "error" (eager ran,
 sdpa failed), "cannot apply" (no transformers class, remote code, or TransformerLens
 on eager cannot boot or run it tiny: detail says which).
 """
@@ -223,6 +224,7 @@ def run(architecture: str, tok=None) -> Result:
                 l1, c1 = ours.run_with_cache(ids)
             fell = {k: v - before.get(k, 0) for k, v in deferred.fallbacks().items()}
             fell = {k: v for k, v in fell.items() if v}
+            eager_ran = sdpa_tl.unfused(ours)
             with torch.no_grad():
                 h1 = ours.run_with_hooks(ids, fwd_hooks=[(point, _half_head0)])
                 e1 = ours.run_with_hooks(ids, fwd_hooks=[(point, scale)])
@@ -238,8 +240,11 @@ def run(architecture: str, tok=None) -> Result:
     res.max_diff, where = max(checks, key=lambda c: c[0])
     if res.max_diff > ATOL:
         res.status, res.detail = "mismatch", f"{where} differs"
-    elif fell:
-        res.status, res.detail = "match (dense fallback)", ", ".join(sorted(fell))
+    elif fell or eager_ran:
+        res.status = "match (dense fallback)"
+        res.detail = ", ".join(
+            [*sorted(fell), *(f"{k}: {v}" for k, v in sorted(eager_ran.items()))]
+        )
     return _done(res, start)
 
 

@@ -249,3 +249,43 @@ def test_edits_as_transformer_lens_hooks(bridges):
         assert deferred.fallbacks() == before, name  # stayed one fused call
         assert (want - base).abs().max() > 1e-4, name
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=name)
+
+
+def test_freeze_pattern_holds_the_pattern_in_the_backward(qkv):
+    q, k, v, _ = qkv
+    q, k, v = (t.double().requires_grad_() for t in (q[:, :, :60], k[:, :, :60], v[:, :, :60]))
+    edit = edits.FreezePattern(heads=[1, 2])
+
+    def ref(q, k, v):
+        s = (E**-0.5) * (q @ k.repeat_interleave(2, 1).mT)
+        s = s.masked_fill(~masks.causal().materialize(60, 60), -math.inf)
+        p = torch.softmax(s, -1).clone()
+        p[:, [1, 2]] = p[:, [1, 2]].detach()
+        return p @ v.repeat_interleave(2, 1)
+
+    w = torch.randn(B, H, 60, E, dtype=torch.float64)
+    got = edit.fused(q, k, v, masks.causal())
+    torch.testing.assert_close(got, sdpa.attention(q, k, v, masks.causal()).output, atol=1e-12,
+                               rtol=0)  # fmt: skip
+    grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref(q, k, v) * w).sum(), (q, k, v))
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=0)
+    assert grads[0][:, 1:3].abs().max() == 0  # q gets nothing through the frozen heads
+    assert grads[0][:, 0].abs().max() > 0  # and its share through the others
+
+
+def test_freeze_pattern_as_a_transformer_lens_hook(bridges):
+    eager, ours = bridges
+    ids = torch.randint(1000, 20000, (1, L), generator=torch.Generator().manual_seed(5))
+    hooks = edits.FreezePattern([0, 2]).hooks(1)
+    grads = []
+    for bridge in (eager, ours):
+        bridge.zero_grad()
+        bridge.run_with_hooks(ids, return_type="loss", fwd_hooks=hooks).backward()
+        q = bridge.blocks[1].attn.q.original_component.weight.grad.clone()
+        v = bridge.blocks[1].attn.v.original_component.weight.grad.clone()
+        grads.append((q, v))
+    (q0, v0), (q1, v1) = grads
+    torch.testing.assert_close(q1, q0, atol=1e-6, rtol=0)
+    torch.testing.assert_close(v1, v0, atol=1e-6, rtol=0)

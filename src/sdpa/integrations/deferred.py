@@ -90,6 +90,7 @@ CAT, MAX, SUB = (
     _ops("max"),
     _ops("sub", "subtract", "__sub__"),
 )
+BMM, BADDBMM, VIEWS = _ops("bmm"), _ops("baddbmm"), _ops("view", "reshape")
 DROPOUT = frozenset({F.dropout, torch.dropout})
 WHERE = frozenset({torch.where})
 ISNAN, ISNEGINF, ALL = _ops("isnan"), _ops("isneginf"), _ops("all")
@@ -261,6 +262,10 @@ class Node:
     # "pending" (compatibility mode between zeroing their scores and their weights)
     dead: str = "sdpa"
     versions: tuple = ()
+    # batch and heads folded into one dim, as BLOOM's bmm / baddbmm run them: the node
+    # is (1, B*H, L, S) until a .view(B, H, L, S) (scores), or the (B*H, L, S) reshape of
+    # a pattern whose call is 4-D (for its bmm with the values)
+    folded: bool = False
 
     @property
     def replayable(self) -> bool:
@@ -726,6 +731,11 @@ def _handle(func, args, kwargs) -> object:
     node = _node_of(first)
     if func in MATMUL and isinstance(_node_of(first), Node) and len(args) == 2:
         return _matmul(first, args[1])
+    if func in BMM and isinstance(_node_of(first), Node) and len(args) == 2 and not kwargs:
+        return _bmm(first, args[1])
+    reshaped = func in VIEWS and isinstance(node, Node) and in_forward()
+    if reshaped and (node.folded or (node.kind == "pattern" and len(node.shape) == 4)):
+        return _unfold(first, func, args, kwargs)
     if func in WHERE and len(args) == 3 and isinstance(_node_of(args[2]), Node):
         return _where(args, kwargs)
     if func in WHERE and len(args) == 3 and isinstance(_node_of(args[1]), Node) and not kwargs:
@@ -795,6 +805,7 @@ def _flat(args) -> list:
 
 
 _FALLBACKS: dict[str, int] = {}
+FUSED = [0]  # calls of sdpa.attention that stood for an eager attention (a counter)
 
 
 def fallbacks() -> dict[str, int]:
@@ -1133,12 +1144,68 @@ def _matmul(p: Deferred, v: object) -> object:
     q, k = call.q, call.k
     if q.dtype != v.dtype:
         q, k = q.to(v.dtype), k.to(v.dtype)
+    FUSED[0] += 1
     if node.edits:
         return node.edits[0].fused(q, k, v, call.mask, call.scale).to(out_dtype)
     out, w = attention(q, k, v, call.mask, scale=call.scale)
     if call.weights is None and q is call.q:
         call.weights = w
     return out.to(out_dtype)
+
+
+def _sizes(args, kwargs) -> tuple[int, ...] | None:
+    """The target sizes of a .view / .reshape call (ints, one may be -1)."""
+    sizes = args[1:] if len(args) > 2 or not isinstance(args[1], tuple | list) else args[1]
+    sizes = kwargs.get("shape", kwargs.get("size", sizes))
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        return None
+    return tuple(sizes)
+
+
+def _unfold(x: Deferred, func, args, kwargs) -> object:
+    """BLOOM's scores.view(B, H, L, -1) of a (1, B*H, L, S) product: the node in 4-D
+    (q, k and the bias the product added, viewed alike); a pattern's reshape(B*H, L, -1)
+    for its bmm: the same node, folded."""
+    node: Node = x._node
+    sizes = _sizes(args, kwargs)
+    if sizes is None or x._lead is not None:
+        return NotImplemented
+    _, BH, L, S = node.shape
+    if node.kind == "scores" and len(sizes) == 4 and sizes[2] == L and sizes[3] in (-1, S):
+        B, H = sizes[0], sizes[1]
+        if B * H != BH or len(node.ops) > 2 or node.spec.terms[1:]:
+            return NotImplemented
+        q = node.q.reshape(B, H, L, -1)  # (B, H, L, D)
+        kt = node.kt.reshape(B, H, -1, S)  # (B, H, D, S)
+        terms = tuple((k, t.reshape(B, H, *t.shape[-2:])) for k, t in node.spec.terms)
+        ops = (
+            Op(T.mul, (_SELF, node.spec.pre), {}),
+            *(Op(T.add, (_SELF, t), {}) for _, t in terms),
+        )
+        spec = replace(node.spec, terms=terms)
+        four = replace(node, shape=(B, H, L, S), q=q, kt=kt, ops=ops, spec=spec, folded=False,
+                       versions=_versions(q, kt, ops))  # fmt: skip
+        return _wrap(x, four)
+    if node.kind == "pattern" and len(sizes) == 3 and sizes[1] == L and sizes[2] in (-1, S):
+        B, H = node.shape[0], node.shape[1]
+        if sizes[0] != B * H:
+            return NotImplemented
+        out = _record(x, func, args, kwargs)  # (B*H, L, S), replayed as eager's reshape
+        return _wrap(x, replace(out._node, shape=(B * H, L, S), folded=True))
+    return NotImplemented
+
+
+def _bmm(p: Deferred, v: object) -> object:
+    """BLOOM's bmm(pattern (B*H, L, S), v (B*H, S, Dv)): the fused call in 4-D."""
+    node: Node = p._node
+    if node.kind != "pattern" or not node.folded or not isinstance(v, torch.Tensor):
+        return NotImplemented
+    if isinstance(v, Deferred) or v.ndim != 3:
+        return NotImplemented
+    B, H = node.call.q.shape[:2]
+    four = _wrap(p, replace(node, shape=(B, H, *node.shape[-2:]), folded=False))
+    out = _matmul(four, v.reshape(B, H, *v.shape[-2:]))  # (B, H, L, Dv)
+    return out if out is NotImplemented else out.reshape(B * H, *out.shape[-2:])
 
 
 def _marker_op(x: Deferred, m: Marker, func, args, kwargs) -> object:
@@ -1480,6 +1547,11 @@ class Intercept(TorchFunctionMode):
             if got is not None:
                 self.armed = False
                 return got
+        elif (func in BMM or func in BADDBMM) and self.armed:
+            got = self._folded_scores(func, args, kwargs)
+            if got is not None:
+                self.armed = False
+                return got
         elif func is torch.ones:
             got = self._ones(args, kwargs)
             if got is not None:
@@ -1524,6 +1596,44 @@ class Intercept(TorchFunctionMode):
             return None
         shape = (a.shape[0], a.shape[1], a.shape[2], b.shape[3])
         node = Node("scores", shape, a.dtype, a.device, q=a, kt=b, versions=_versions(a, b, ()))
+        return make(node, self.budget)
+
+    def _folded_scores(self, func, args, kwargs) -> Deferred | None:
+        """bmm(q, k^T) or bias.baddbmm(q, k^T, beta=1, alpha=a) of 3-D (B*H, ., .) tensors
+        (BLOOM's ALiBi scores), as a (1, B*H, L, S) node until its .view(B, H, L, S)."""
+        if func in BMM:
+            if len(args) != 2 or kwargs:
+                return None
+            bias, a, b, beta, alpha = None, args[0], args[1], 1.0, 1.0
+        else:
+            names = ("input", "batch1", "batch2")
+            got = dict(zip(names, args, strict=False)) | kwargs
+            if set(got) - {*names, "beta", "alpha"} or len(args) > 3:
+                return None
+            bias, a, b = got.get("input"), got.get("batch1"), got.get("batch2")
+            beta, alpha = _number(got.get("beta", 1.0)), _number(got.get("alpha", 1.0))
+        if (
+            beta != 1.0
+            or alpha is None
+            or not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (a, b))
+        ):
+            return None
+        if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[-1] != b.shape[-2]:
+            return None
+        if a.dtype != b.dtype or not a.is_floating_point():
+            return None
+        BH, L, S = a.shape[0], a.shape[1], b.shape[2]
+        if bias is not None and (
+            not isinstance(bias, torch.Tensor) or isinstance(bias, Deferred) or bias.ndim != 3
+            or not bias.is_floating_point()
+        ):  # fmt: skip
+            return None
+        q, kt = a[None], b[None]  # (1, B*H, L, D), (1, B*H, D, S)
+        terms = () if bias is None else (("bias", bias[None]),)  # (1, B*H, 1|L, S)
+        ops = (Op(T.mul, (_SELF, alpha), {}), *(Op(T.add, (_SELF, t), {}) for _, t in terms))
+        node = Node("scores", (1, BH, L, S), a.dtype, a.device, q=q, kt=kt, ops=ops,
+                    spec=Spec(pre=alpha, terms=terms), folded=True,
+                    versions=_versions(q, kt, ops))  # fmt: skip
         return make(node, self.budget)
 
     def _ones(self, args, kwargs) -> Deferred | None:

@@ -11,6 +11,7 @@ hold the fused form to, 1e-5) and runs as sdpa.attention calls without it (`fuse
     ZeroPattern(queries, keys)    those entries of P set to 0, rows not renormalised
     ScaleHeads(scales)            P -> a_h P for head h (its output scales by a_h)
     PatchPattern(source)          the pattern of run A (source) with the values of run B
+    FreezePattern(heads)          the pattern held constant in the backward (detached)
 
 Three ways to use one:
 - as a TransformerLens hook on a bridge on sdpa (`edit.hooks(layer)` gives the
@@ -27,7 +28,6 @@ Shapes: B batch, H (Hq) query heads, Hkv key/value heads (dividing Hq), L querie
 S keys. heads / queries / keys: an int, a list, a slice, a 1-D int tensor, or None for
 all. Rows a knock-out leaves with no key get weights 0 here (on eager they go NaN, or
 uniform over the masked keys in TransformerLens' default mode): leave each query a key.
-The frozen pattern of the live-weights issue is not here yet.
 """
 
 from __future__ import annotations
@@ -56,8 +56,18 @@ __all__ = [
 
 
 def _select(index: Index, n: int, device: torch.device, name: str) -> torch.Tensor:
-    """index as a (n,) bool tensor: which of n positions it chooses."""
-    chosen = torch.zeros(n, dtype=torch.bool, device=device)
+    """index as a (n,) bool tensor on device: which of n positions it chooses (worked
+    out on the CPU: no device sync in a call)."""
+    return _chosen(index, n, name).to(device)
+
+
+def _positions(index: Index, n: int, device: torch.device, name: str) -> torch.Tensor:
+    """The positions index chooses among n, (m,) int64 on device."""
+    return _chosen(index, n, name).nonzero()[:, 0].to(device)
+
+
+def _chosen(index: Index, n: int, name: str) -> torch.Tensor:
+    chosen = torch.zeros(n, dtype=torch.bool)
     if index is None:
         return chosen.fill_(True)
     if isinstance(index, bool):
@@ -65,7 +75,7 @@ def _select(index: Index, n: int, device: torch.device, name: str) -> torch.Tens
     if isinstance(index, int | slice):
         chosen[index] = True
         return chosen
-    t = torch.as_tensor(index, device=device)
+    t = torch.as_tensor(index, device="cpu")
     if t.dtype == torch.bool or t.is_floating_point() or t.ndim != 1:
         raise SdpaTypeError(
             f"{name} must be an int, a list, a slice or a 1-D int tensor, got "
@@ -250,13 +260,13 @@ class ZeroPattern(Edit):
 
     def fused(self, q, k, v, mask=None, scale=None):
         H, L, S = q.shape[-3], q.shape[-2], k.shape[-2]
-        keys = _select(self.keys, S, q.device, "keys").nonzero()[:, 0]  # (m,)
+        keys = _positions(self.keys, S, q.device, "keys")  # (m,)
         rows = _select(self.queries, L, q.device, "queries")
         heads = _select(self.heads, H, q.device, "heads")
         out, w = attention(q, k, v, mask, scale=scale)
         if keys.numel() == 0:
             return out
-        cols = _columns(q, k, mask, scale, keys, w)  # (B, H, L, m)
+        cols = w[..., keys]  # (B, H, L, m): the key columns, carrying their gradient
         cols = cols * (heads[:, None, None] & rows[None, :, None]).to(cols.dtype)
         v_keys = _kv_heads(v, H).index_select(-2, keys)  # (B, H, m, Dv)
         return out - (cols.to(v.dtype) @ v_keys)
@@ -295,17 +305,44 @@ class MeanAblate(Edit):
     def fused(self, q, k, v, mask=None, scale=None):
         H = q.shape[-3]
         out = attention(q, k, v, mask, scale=scale).output
-        heads = _select(self.heads, H, q.device, "heads").nonzero()[:, 0]
+        heads = _positions(self.heads, H, q.device, "heads")
         if heads.numel() == 0:
             return out
         vh = _kv_heads(v, H).index_select(1, heads)  # (B, h, S, Dv)
         call = _call_of(self.reference)
         if call is None:  # a dense reference: its mean times v
-            mean = self._mean(heads.cpu()).to(vh.dtype)  # (h, L, S)
+            mean = self._mean(heads).to(vh.dtype)  # (h, L, S)
             ablated = mean[None] @ vh  # (B, h, L, Dv)
         else:
             ablated = _mean_pattern_times(call, heads, vh)
         return out.index_copy(1, heads, ablated.to(out.dtype))
+
+
+class FreezePattern(Edit):
+    """Chosen heads' pattern held constant in the backward (pattern.detach(), as
+    attribution methods freeze attention): the forward is unchanged, gradients reach the
+    values and nothing reaches q and k through those heads' patterns. Fused as
+    attention(q.detach(), k.detach(), v), as sdpa.frozen() runs every call."""
+
+    def __init__(self, heads: Index = None) -> None:
+        self.heads = heads
+
+    def __repr__(self) -> str:
+        return f"FreezePattern(heads={self.heads!r})"
+
+    def dense(self, p, where=None):
+        at = self._where(p, where)
+        chosen = _select(self.heads, at.H, p.device, "heads")[at.h]
+        return torch.where(_by_head(chosen), p.detach(), p)
+
+    def fused(self, q, k, v, mask=None, scale=None):
+        H = q.shape[-3]
+        chosen = _chosen(self.heads, H, "heads")  # (H,) on the CPU
+        frozen = attention(q.detach(), k.detach(), v, _detached(mask), scale=scale).output
+        if bool(chosen.all()):
+            return frozen
+        live = attention(q, k, v, mask, scale=scale).output
+        return torch.where(_by_head(chosen.to(q.device)), frozen, live)
 
 
 class PatchPattern(Edit):
@@ -331,7 +368,7 @@ class PatchPattern(Edit):
     def fused(self, q, k, v, mask=None, scale=None):
         H = q.shape[-3]
         out = attention(q, k, v, mask, scale=scale).output
-        heads = _select(self.heads, H, q.device, "heads").nonzero()[:, 0]
+        heads = _positions(self.heads, H, q.device, "heads")
         vh = _kv_heads(v, H).index_select(1, heads)
         call = _call_of(self.source)
         if call is None:
@@ -377,6 +414,15 @@ def _mean_pattern_times(call, heads: torch.Tensor, vh: torch.Tensor) -> torch.Te
     return got.mean(dim=0).reshape(h, L, B, Dv).permute(2, 0, 1, 3)  # (B, h, L, Dv)
 
 
+def _detached(mask: object) -> object:
+    """mask with a float tensor (and sinks) detached: the frozen pattern's inputs."""
+    if isinstance(mask, masks.ScoreMod):
+        inner = _detached(mask.mask)
+        out = inner if mask.softcap is None else masks.softcap(mask.softcap, inner)
+        return out if mask.sinks is None else masks.sinks(mask.sinks.detach(), out)
+    return mask.detach() if isinstance(mask, torch.Tensor) else mask
+
+
 def _heads_of_mask(mask: object, heads: torch.Tensor, H: int) -> object:
     """mask restricted to chosen heads where it has a head dim of size H."""
     if isinstance(mask, masks.ScoreMod):
@@ -405,49 +451,3 @@ def _without(mask: object, knocked: torch.Tensor, L: int, S: int, device) -> obj
     if not mask.is_floating_point():
         return (mask != 0) & ~knocked
     return mask.masked_fill(knocked, -torch.inf)
-
-
-def _columns(q, k, mask, scale, keys: torch.Tensor, w) -> torch.Tensor:
-    """P[..., keys] (B, Hq, L, m), carrying the gradient to q and k.
-
-    p_ij = exp(s_ij - lse_i); the LSE comes from the call's weights (w.lse, no
-    gradient), with its derivative restored by lse + f - f.detach(), f_i = scale *
-    q_i . (P K)_i: d lse_i = scale * sum_j p_ij dk_j-and-dq_i terms, which f has when P is
-    held fixed (P K from one more fused call with the keys as values)."""
-    if isinstance(mask, masks.ScoreMod):
-        if mask.softcap is not None or mask.sinks is not None:
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-                raise NotSupportedError(
-                    "ZeroPattern.fused with a softcap or sinks cannot carry gradients yet; "
-                    "run it under torch.no_grad(), or edit a dense pattern"
-                )
-            return w[..., keys]
-        mask = mask.mask
-    Hq, L, S = q.shape[-3], q.shape[-2], k.shape[-2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    kk = _kv_heads(k, Hq)
-    lse = w.lse  # (B, Hq, L)
-    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    if need_grad:
-        pk = attention(q.detach(), k.detach(), k, mask, scale=scale).output  # (B, Hq, L, D)
-        f = scale * (q * pk.to(q.dtype)).sum(-1)
-        lse = lse + f - f.detach()
-    s = scale * (q @ kk.index_select(-2, keys).mT)  # (B, Hq, L, m)
-    s = _masked_columns(s, mask, keys, L, S)
-    p = torch.exp(s - lse[..., None])
-    return torch.nan_to_num(p, nan=0.0)  # a row that sees no key: exp(-inf - 0) = 0
-
-
-def _masked_columns(s, mask, keys, L, S):
-    """Scores (B, H, L, m) of the chosen key columns with the mask applied."""
-    if mask is None:
-        return s
-    if isinstance(mask, masks.Mask):
-        keep = mask.keep(torch.arange(L, device=s.device), keys, L, S)[:, None]  # (Bm, 1, L, m)
-        return s.masked_fill(~keep, -torch.inf)
-    cols = mask.index_select(-1, keys.to(mask.device))
-    if cols.dtype == torch.bool:
-        return s.masked_fill(~cols, -torch.inf)
-    if not cols.is_floating_point():
-        return s.masked_fill(cols == 0, -torch.inf)
-    return s + cols

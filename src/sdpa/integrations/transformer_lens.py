@@ -60,6 +60,7 @@ __all__ = [
     "fallbacks",
     "is_on_sdpa",
     "restore",
+    "unfused",
     "use_sdpa",
 ]
 
@@ -83,11 +84,13 @@ _budget: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 @dataclass
 class State:
-    """What use_sdpa changed on one bridge, for restore."""
+    """What use_sdpa changed on one bridge, for restore; and which attention bridges'
+    last forward ran without any sdpa call (see unfused)."""
 
     budget: int | None
     implementation: dict[int, tuple[object, object]] = field(default_factory=dict)
     patched: list[torch.nn.Module] = field(default_factory=list)
+    unfused: dict[str, str] = field(default_factory=dict)  # bridge name -> why
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -103,6 +106,7 @@ def attention_forward(module, query, key, value, attention_mask, *args, **kwargs
         out, weights = sdpa_hf.lazy_attention_forward(
             module, query, key, value, attention_mask, *args, **kwargs
         )
+        deferred.FUSED[0] += 1
         if _dense.get():
             return out, weights.full(max_bytes=None)
     return out, deferred.weights_pattern(weights, _budget.get())
@@ -128,6 +132,16 @@ def _attention_bridges(bridge: torch.nn.Module) -> list[torch.nn.Module]:
     from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
 
     return [m for m in bridge.modules() if isinstance(m, AttentionBridge)]
+
+
+def unfused(bridge: torch.nn.Module) -> dict[str, str]:
+    """The attention bridges of a bridge on sdpa whose last forward made no sdpa call
+    (name -> why: a hook that needs dense tensors, or eager code the interception does
+    not recognise); empty when every attention ran fused."""
+    state = _STATES.get(bridge)
+    if state is None:
+        raise SdpaValueError("unfused: this bridge is not on sdpa (use_sdpa was not called)")
+    return dict(state.unfused)
 
 
 def is_on_sdpa(bridge: torch.nn.Module) -> bool:
@@ -241,8 +255,12 @@ def _forward(module, original, state: State, *args, **kwargs):
     """An attention bridge's forward on sdpa: TransformerLens' own code, under the
     interception (or on dense tensors where a hook needs them)."""
     budget = _budget.set(state.budget)
+    point = getattr(getattr(module, "hook_pattern", None), "name", None) or ""
+    name = point.removesuffix(".hook_pattern") or getattr(module, "name", None) or "attention"
+    state.unfused.pop(name, None)
     try:
         if needs_dense(module):
+            state.unfused[name] = "a hook on its scores or pattern needs the dense tensors"
             token = _dense.set(True)
             try:
                 return original(module, *args, **kwargs)
@@ -251,10 +269,13 @@ def _forward(module, original, state: State, *args, **kwargs):
         mode = deferred.Intercept(state.budget)
         token = _mode.set(mode)
         dense = _dense.set(False)
+        before = deferred.FUSED[0]
         try:
             with mode:
                 return original(module, *args, **kwargs)
         finally:
+            if deferred.FUSED[0] == before:
+                state.unfused[name] = "its eager code made no attention call sdpa recognises"
             _dense.reset(dense)
             _mode.reset(token)
     finally:
