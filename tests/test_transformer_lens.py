@@ -404,3 +404,21 @@ def test_unknown_op_falls_back_to_eager_values():
         got = code(q, k, v)
     assert type(got) is torch.Tensor
     close(got, want)
+
+
+def test_unfused_names_attention_that_ran_eagerly(pair, monkeypatch):
+    _, ours = pair
+    ids = tokens(B=1, L=32)
+    with torch.no_grad():
+        ours(ids)
+    assert sdpa_tl.unfused(ours) == {}
+    with torch.no_grad():
+        ours.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_pattern", lambda p, hook: p)])
+    assert list(sdpa_tl.unfused(ours)) == ["blocks.0.attn"]
+    assert "hook" in sdpa_tl.unfused(ours)["blocks.0.attn"]
+    monkeypatch.setattr(deferred.Intercept, "_scores", lambda self, a, b: None)  # unrecognised
+    with torch.no_grad():
+        ours(ids)
+    assert sorted(sdpa_tl.unfused(ours)) == ["blocks.0.attn", "blocks.1.attn"]
+    with pytest.raises(sdpa.SdpaValueError, match="not on sdpa"):
+        sdpa_tl.unfused(torch.nn.Linear(2, 2))

@@ -262,9 +262,9 @@ class Node:
     # "pending" (compatibility mode between zeroing their scores and their weights)
     dead: str = "sdpa"
     versions: tuple = ()
-    # batch and heads folded into one dim, as BLOOM's bmm / baddbmm run them: the node
-    # is (1, B*H, L, S) until a .view(B, H, L, S) (scores), or the (B*H, L, S) reshape of
-    # a pattern whose call is 4-D (for its bmm with the values)
+    # batch and heads folded into one dim, as BLOOM's bmm / baddbmm run them: the scores
+    # are (B*H, L, S) (q and kt 3-D) until a .view(B, H, L, S), and a pattern's
+    # (B*H, L, S) reshape keeps its 4-D call (for its bmm with the values)
     folded: bool = False
 
     @property
@@ -1135,11 +1135,13 @@ def _matmul(p: Deferred, v: object) -> object:
     node: Node = p._node
     if (
         node.kind != "pattern" or not isinstance(v, torch.Tensor) or isinstance(v, Deferred)
-        or p._lead is not None or p._to is not None or v.ndim != 4
+        or p._lead is not None or p._to is not None or v.ndim not in (3, 4)
         or node.dead == "pending" or node.call is None or node.call.q is None
     ):  # fmt: skip
         return NotImplemented
     call = node.call
+    if v.ndim != call.q.ndim or v.ndim != len(node.shape):
+        return NotImplemented
     out_dtype = torch.promote_types(p.dtype, v.dtype)
     q, k = call.q, call.k
     if q.dtype != v.dtype:
@@ -1170,8 +1172,14 @@ def _unfold(x: Deferred, func, args, kwargs) -> object:
     sizes = _sizes(args, kwargs)
     if sizes is None or x._lead is not None:
         return NotImplemented
-    _, BH, L, S = node.shape
-    if node.kind == "scores" and len(sizes) == 4 and sizes[2] == L and sizes[3] in (-1, S):
+    BH, L, S = node.shape[-3:]
+    if (
+        node.kind == "scores"
+        and node.folded
+        and len(sizes) == 4
+        and sizes[2] == L
+        and sizes[3] in (-1, S)
+    ):
         B, H = sizes[0], sizes[1]
         if B * H != BH or len(node.ops) > 2 or node.spec.terms[1:]:
             return NotImplemented
@@ -1186,7 +1194,12 @@ def _unfold(x: Deferred, func, args, kwargs) -> object:
         four = replace(node, shape=(B, H, L, S), q=q, kt=kt, ops=ops, spec=spec, folded=False,
                        versions=_versions(q, kt, ops))  # fmt: skip
         return _wrap(x, four)
-    if node.kind == "pattern" and len(sizes) == 3 and sizes[1] == L and sizes[2] in (-1, S):
+    if (
+        node.kind == "pattern"
+        and len(node.shape) == 4
+        and len(sizes) == 3
+        and sizes[1:] in ((L, -1), (L, S))
+    ):
         B, H = node.shape[0], node.shape[1]
         if sizes[0] != B * H:
             return NotImplemented
@@ -1198,10 +1211,12 @@ def _unfold(x: Deferred, func, args, kwargs) -> object:
 def _bmm(p: Deferred, v: object) -> object:
     """BLOOM's bmm(pattern (B*H, L, S), v (B*H, S, Dv)): the fused call in 4-D."""
     node: Node = p._node
-    if node.kind != "pattern" or not node.folded or not isinstance(v, torch.Tensor):
+    if node.kind != "pattern" or not isinstance(v, torch.Tensor):
         return NotImplemented
-    if isinstance(v, Deferred) or v.ndim != 3:
+    if isinstance(v, Deferred) or v.ndim != 3 or node.call is None or node.call.q is None:
         return NotImplemented
+    if node.call.q.ndim == 3:  # the scores were never viewed 4-D: a 3-D call
+        return _matmul(p, v)
     B, H = node.call.q.shape[:2]
     four = _wrap(p, replace(node, shape=(B, H, *node.shape[-2:]), folded=False))
     out = _matmul(four, v.reshape(B, H, *v.shape[-2:]))  # (B, H, L, Dv)
@@ -1405,7 +1420,7 @@ REDUCTIONS = SUM | MEAN | AMAX | TOPK
 def _reduction(x: Deferred, func, args, kwargs) -> object:
     """sum / mean over the queries (dim -2) or the keys (dim -1), amax(dim=-1), topk(k)."""
     node = x._node
-    if not isinstance(node, Node):
+    if not isinstance(node, Node) or len(node.shape) != 4 or node.folded:
         return NotImplemented
     nd = x.ndim
     if func in SUM or func in MEAN:
@@ -1600,7 +1615,7 @@ class Intercept(TorchFunctionMode):
 
     def _folded_scores(self, func, args, kwargs) -> Deferred | None:
         """bmm(q, k^T) or bias.baddbmm(q, k^T, beta=1, alpha=a) of 3-D (B*H, ., .) tensors
-        (BLOOM's ALiBi scores), as a (1, B*H, L, S) node until its .view(B, H, L, S)."""
+        (BLOOM's ALiBi scores): a (B*H, L, S) node until its .view(B, H, L, S)."""
         if func in BMM:
             if len(args) != 2 or kwargs:
                 return None
@@ -1628,12 +1643,11 @@ class Intercept(TorchFunctionMode):
             or not bias.is_floating_point()
         ):  # fmt: skip
             return None
-        q, kt = a[None], b[None]  # (1, B*H, L, D), (1, B*H, D, S)
-        terms = () if bias is None else (("bias", bias[None]),)  # (1, B*H, 1|L, S)
+        terms = () if bias is None else (("bias", bias),)  # (B*H|1, 1|L, S)
         ops = (Op(T.mul, (_SELF, alpha), {}), *(Op(T.add, (_SELF, t), {}) for _, t in terms))
-        node = Node("scores", (1, BH, L, S), a.dtype, a.device, q=q, kt=kt, ops=ops,
+        node = Node("scores", (BH, L, S), a.dtype, a.device, q=a, kt=b, ops=ops,
                     spec=Spec(pre=alpha, terms=terms), folded=True,
-                    versions=_versions(q, kt, ops))  # fmt: skip
+                    versions=_versions(a, b, ops))  # fmt: skip
         return make(node, self.budget)
 
     def _ones(self, args, kwargs) -> Deferred | None:
