@@ -80,10 +80,12 @@ def run(
     scale_factor: float = 20.0,
     attn_res: tuple[int, int] = (16, 16),
     max_refinement: int = 20,
+    thresholds: dict[int, float] | None = None,
 ) -> dict:
     """Generate `prompt` with A&E guidance on `words`; write attend_and_excite.png.
     max_refinement: the refinement iterations at most (the pipeline's
-    max_refinement_steps, 20).
+    max_refinement_steps, 20); thresholds: {step: the max attention that step's
+    refinement aims for} (None: the pipeline's {0: 0.05, 10: 0.5, 20: 0.8}).
 
     Returns {"latents": (1, C, h, w) the final latent, "image": (H, W, 3), "losses":
     the loss of each step's last A&E forward, "forwards": A&E forwards per step, "maps":
@@ -105,6 +107,7 @@ def run(
     )  # (1, C, h, w)
     step_size = scale_factor * np.sqrt(np.linspace(1.0, 0.5, len(timesteps)))
     ae = AttendExcite(tokens, grid=attn_res)
+    thresholds = THRESHOLDS if thresholds is None else thresholds
 
     def excite(latent: torch.Tensor, t) -> tuple[torch.Tensor, torch.Tensor]:
         """One A&E forward on the conditional prompt: (the latent requiring grad, loss)."""
@@ -119,9 +122,9 @@ def run(
         with torch.enable_grad():
             latent, loss = excite(latents, t)
             forwards.append(1)
-            if i in THRESHOLDS and loss > 1.0 - THRESHOLDS[i]:  # iterative refinement
+            if i in thresholds and loss > 1.0 - thresholds[i]:  # iterative refinement
                 for _ in range(max_refinement):  # as the pipeline: step, then test the
-                    reached = loss <= 1.0 - THRESHOLDS[i]  # loss from before that step
+                    reached = loss <= 1.0 - thresholds[i]  # loss from before that step
                     if loss != 0:
                         latent = ae.step(latent, step_size[i])
                     latent, loss = excite(latent, t)
