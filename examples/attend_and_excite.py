@@ -133,7 +133,7 @@ def run(
                         break
             if i < max_iter_to_alter and loss != 0:
                 latent = ae.step(latent, step_size[i])
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             maps = ae.token_maps()[0].detach()  # (words, h, w)
         with torch.no_grad():
             x = torch.cat([latent] * 2) if cfg else latent
