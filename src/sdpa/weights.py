@@ -637,8 +637,7 @@ def _triton_logits(w: AttentionWeights) -> torch.Tensor:
 def _triton_received_serves(w: AttentionWeights) -> bool:
     """The received kernel's float32 subtraction s - lse loses digits past
     kernel_lse_limit (a huge finite bias): those calls go to the rows engine."""
-    limit = settings.get().kernel_lse_limit
-    return _triton_serves(w) and not bool((w._log_sum_exp().abs() > limit).any())
+    return _triton_serves(w) and _lse_within(w, settings.get().kernel_lse_limit)
 
 
 def _triton_received(w: AttentionWeights) -> torch.Tensor:
@@ -667,8 +666,15 @@ def _fused_received_serves(w: AttentionWeights) -> bool:
         and i.softcap is None
         and i.sinks is None
         and i.scale != 0
-        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
+        and _lse_within(w, settings.get().fold_lse_limit)
     )
+
+
+def _lse_within(w: AttentionWeights, limit: float) -> bool:
+    """Every row's LSE finite and within +-limit (a NaN LSE marks a row the listing
+    makes NaN: only the rows engine keeps such rows apart). Reads the host."""
+    lse = w._log_sum_exp()
+    return bool((lse.abs() <= limit).all())
 
 
 def _fused_received(w: AttentionWeights) -> torch.Tensor | None:
@@ -723,7 +729,7 @@ def _fused_entropy_serves(w: AttentionWeights) -> bool:
         and i.sinks is None
         and i.key.is_cpu  # (the checks below read the host)
         and bool(torch.isfinite(i.key).all())
-        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
+        and _lse_within(w, settings.get().fold_lse_limit)
     )
 
 
