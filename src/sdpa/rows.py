@@ -175,10 +175,10 @@ def weights(r: Rows, t: Tile, out: torch.Tensor | None = None) -> torch.Tensor:
     """p of a tile, (1, h, rows, keys), written into `out` when given: rows normalised by
     their own sum where the selection holds every key, else exp(s - lse)."""
     shifted, c, sinks = _shifted(r, t, out)
-    e = shifted.exp_()
     if not r.complete:
-        return e
-    return e.div_(tile.normalizer(e, c, sinks))
+        return tile.rebuild(shifted)  # exp(s - lse): the product subtracted the LSE
+    e, total = tile.exponentiate(shifted, c, sinks)
+    return e.div_(total)
 
 
 def _inexact(lse: torch.Tensor) -> bool:
@@ -232,9 +232,8 @@ def key_sums(r: Rows) -> torch.Tensor:
     wide = torch.float64 if r.device.type == "cpu" else r.dtype  # tiles' partial sums
     out = torch.zeros(B, H, m, dtype=wide, device=r.device)
     for t, shifted, c, sinks in _each(r):
-        e = shifted.exp_()
-        p = e.div_(tile.normalizer(e, c, sinks))
-        out[t.at_b : t.at_b + 1, t.at_h] += p.sum(dim=-2)
+        e, total = tile.exponentiate(shifted, c, sinks)
+        out[t.at_b : t.at_b + 1, t.at_h] += e.div_(total).sum(dim=-2)
     return out.to(r.dtype)
 
 
@@ -243,8 +242,7 @@ def entropy(r: Rows) -> torch.Tensor:
     B, H, n, _ = r.shape
     out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
     for t, shifted, c, sinks in _each(r):
-        e = shifted.exp()
-        total = tile.normalizer(e, c, sinks)
+        e, total = tile.exponentiate(shifted, c, sinks, keep=True)
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(
             shifted, e, total, sinks is not None
         )
@@ -259,8 +257,8 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.device)
     for t, shifted, c, sinks in _each(r):
         top, idx = shifted.topk(k, dim=-1)
-        total = tile.normalizer(shifted.exp_(), c, sinks)
-        values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = top.exp_().div_(total)
+        _, total = tile.exponentiate(shifted, c, sinks)
+        values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.weights_at(top, total)
         indices[t.at_b : t.at_b + 1, t.at_h, t.at_r] = idx
     return values, indices
 
@@ -271,8 +269,8 @@ def amax(r: Rows) -> torch.Tensor:
     out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
     for t, shifted, c, sinks in _each(r):
         top = shifted.amax(dim=-1, keepdim=True)
-        total = tile.normalizer(shifted.exp_(), c, sinks)
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = top.exp_().div_(total)[..., 0]
+        _, total = tile.exponentiate(shifted, c, sinks)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.weights_at(top, total)[..., 0]
     return out
 
 
@@ -280,8 +278,8 @@ def log_weights(r: Rows, t: Tile) -> torch.Tensor:
     """log p of a tile of complete rows, (1, h, rows, S), normalised by each row's own
     sum: -inf where a key is excluded (every key of a row that sees none)."""
     shifted, c, sinks = _shifted(r, t, None)
-    total = tile.normalizer(shifted.exp(), c, sinks)
-    return shifted.sub_(total.log_())
+    _, total = tile.exponentiate(shifted, c, sinks, keep=True)
+    return tile.log_weights(shifted, total)
 
 
 def kl(r: Rows, other: Callable[[Tile], torch.Tensor], reverse: bool) -> torch.Tensor:
@@ -302,8 +300,8 @@ def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
     F = u.shape[2]
     out = torch.zeros(B, H, F, m, dtype=r.dtype, device=r.device)
     for t, shifted, c, sinks in _each(r):
-        e = shifted.exp_()
-        p = e.div_(tile.normalizer(e, c, sinks))  # (1, h, rows, S)
+        e, total = tile.exponentiate(shifted, c, sinks)
+        p = e.div_(total)  # (1, h, rows, S)
         ut = u[t.at_b : t.at_b + 1, t.at_h][..., t.at_r].to(r.dtype)  # (1, h, F, rows)
         out[t.at_b : t.at_b + 1, t.at_h] += torch.matmul(ut, p)
     return out
@@ -314,8 +312,8 @@ def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     B, H, n, _ = r.shape
     out = torch.empty(B, H, g.shape[2], n, dtype=r.dtype, device=r.device)
     for t, shifted, c, sinks in _each(r):
-        e = shifted.exp_()
-        p = e.div_(tile.normalizer(e, c, sinks))
+        e, total = tile.exponentiate(shifted, c, sinks)
+        p = e.div_(total)
         gt = g[t.at_b : t.at_b + 1, t.at_h].to(r.dtype)  # (1, h, F, S)
         out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, p.mT)
     return out
