@@ -16,9 +16,8 @@ import pytest
 import torch
 
 import sdpa
+from engines import BACKEND_ENGINES, KEPT, refusal
 from sdpa import listing, masks, settings
-from sdpa.backends import BACKENDS
-from sdpa.inputs import normalize
 
 from conftest import make_mask, randn
 from oracle import oracle
@@ -49,7 +48,7 @@ READS = {
         lambda p: torch.linspace(-1, 1, p.shape[-2], dtype=p.dtype) @ p,
     ),
 }
-ENGINES = ["small", "fused", "chunked", "reference"]
+ENGINES = BACKEND_ENGINES
 
 
 def _pairs(shape):
@@ -141,8 +140,7 @@ def _check(name, read_w, read_p, q, k, v, mask, mask_ref, gen, engine, **mods):
     with torch.no_grad():
         shape = read_p(oracle(q, k, v, mask_ref, **_oracle_mods(mods, q))[1]).shape
     upstream = randn(gen, *shape)
-    kept = {"small_weights": 2**21, "small_head": 2**16, "small_causal": 2**14}
-    engine_settings = kept if engine == "small" else {}  # (off in the suite: conftest)
+    engine_settings = KEPT if engine == "small" else {}  # (off in the suite: conftest)
     with settings.override(chunk_bytes=7 * 4 * k.shape[2], **engine_settings):
         value, got = _grads(read_w, q, k, v, mask, backend=engine, upstream=upstream, **mods)
     ref_value, want = _oracle_grads(read_p, q, k, v, mask_ref, upstream=upstream, **mods)
@@ -172,10 +170,9 @@ def _skip_unless_runs(engine, q, k, v, mask, mods):
         mask = masks.sinks(mods["sinks"], mask)
     if mods.get("softcap") is not None:
         mask = masks.softcap(mods["softcap"], mask)
-    inputs = normalize(q, k, v, mask, scale=mods.get("scale"))
-    why = BACKENDS[engine].not_supported_reasons(inputs) if engine != "small" else []
+    why = refusal(engine, q, k, v, mask, scale=mods.get("scale"))
     if why:
-        pytest.skip(f"{engine}: {'; '.join(why)}")
+        pytest.skip(f"{engine}: {why}")
 
 
 def _oracle_mods(mods, q):

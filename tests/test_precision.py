@@ -16,16 +16,13 @@ import pytest
 import torch
 
 import sdpa
-from sdpa import masks, settings
-from sdpa.backends import BACKENDS
-from sdpa.inputs import normalize
+from engines import BACKEND_ENGINES, refusal, run
+from sdpa import masks
 
 from oracle import oracle
 from tolerances import OUT_FLOOR, STAT_FLOOR, WEIGHTS_FLOOR, selection_atol, within_rule
 
 KINDS = ["none", "bool", "float", "causal", "softcap", "sinks"]
-ENGINES = ["small", "fused", "chunked", "reference"]
-KEPT = {"small_weights": 2**21, "small_head": 2**16, "small_causal": 2**14}
 
 
 def _cases(n: int, seed: int = 0) -> list[tuple]:
@@ -86,28 +83,18 @@ def _entropy(p):
     return -torch.where(p > 0, p * torch.where(p > 0, p, 1.0).log(), 0.0).sum(-1)
 
 
-def _refusal(engine, q, k, v, arg):
-    """Why `engine` refuses these inputs ("" where it takes them; small: by its kind)."""
-    if engine == "small":
-        return "" if isinstance(arg, torch.Tensor | masks.Mask | None) else "score mods"
-    return "; ".join(BACKENDS[engine].not_supported_reasons(normalize(q, k, v, arg)))
-
-
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", BACKEND_ENGINES)
 @pytest.mark.parametrize("i", range(len(CASES)))
 def test_float32_within_twice_the_listings_error(engine, i):
     case = CASES[i]
     (q, k, v), mask, arg, softcap, sinks, scale = _inputs(case, 1000 + i)
-    why = _refusal(engine, q, k, v, arg)
+    why = refusal(engine, q, k, v, arg, scale=scale)
     if why:
         pytest.skip(f"{engine}: {why}")
     E = q.shape[-1]
     sc = 1 / math.sqrt(E) if scale is None else scale
-    kept = KEPT if engine == "small" else {}
-    with settings.override(**kept):
-        if engine == "small" and not sdpa.backends.small.fits(normalize(q, k, v, arg)):
-            pytest.skip("over the small backend's thresholds")
-        out, w = sdpa.attention(q, k, v, arg, scale=scale, backend=engine)
+    out, w, reads = run(engine, q, k, v, arg, scale=scale)
+    with reads:
         o64, p64 = oracle(q, k, v, mask, scale=sc, softcap=softcap, sinks=sinks)
         o32, p32 = oracle(
             q, k, v, mask, scale=sc, softcap=softcap, sinks=sinks, dtype=torch.float32
@@ -148,7 +135,7 @@ def test_16_bit_within_twice_the_listings_error(dtype, engine, i):
     come back in float32 (better than the 16-bit listing's, held to it all the same)."""
     case = CASES[i]
     (q, k, v), mask, arg, softcap, sinks, scale = _inputs(case, 2000 + i, dtype)
-    why = _refusal(engine, q, k, v, arg)
+    why = refusal(engine, q, k, v, arg, scale=scale)
     if why:
         pytest.skip(f"{engine}: {why}")
     sc = 1 / math.sqrt(q.shape[-1]) if scale is None else scale

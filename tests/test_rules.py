@@ -19,47 +19,17 @@ import math
 import pytest
 import torch
 
-import sdpa
-from sdpa import masks, settings
+from engines import ENGINES, run
+from sdpa import masks
 
 from conftest import randn
 from oracle import oracle
 from tolerances import STAT_FLOOR, within_rule
 
-ENGINES = ["small", "fused", "chunked", "reference", "triton"]
-KEPT = {"small_weights": 2**21, "small_head": 2**16, "small_causal": 2**14}
-
 
 def _weights(engine, q, k, v, mask=None, **kw):
     """The handle of `engine`'s call, and the settings its reads run under."""
-    return _run(engine, q, k, v, mask, **kw)[1:]
-
-
-def _run(engine, q, k, v, mask=None, **kw):
-    """(output, weights, the settings its reads run under) of `engine`'s call."""
-    if engine == "small":
-        with settings.override(**KEPT):
-            out, w = sdpa.attention(q, k, v, mask, backend="small", **kw)
-        return out, w, _Reads(KEPT)
-    if engine == "triton":
-        out, w = sdpa.attention(q, k, v, mask, backend="fused", **kw)
-        return out, w, _Reads({"kernel_devices": {"cpu"}})
-    out, w = sdpa.attention(q, k, v, mask, backend=engine, **kw)
-    return out, w, _Reads({})
-
-
-class _Reads:
-    """The settings an engine's reads run under, as a reusable `with` block."""
-
-    def __init__(self, changes):
-        self.changes = changes
-
-    def __enter__(self):
-        self.block = settings.override(**self.changes)
-        return self.block.__enter__()
-
-    def __exit__(self, *exc):
-        return self.block.__exit__(*exc)
+    return run(engine, q, k, v, mask, **kw)[1:]
 
 
 def _reads(w, engine):
@@ -160,7 +130,7 @@ def test_rows_that_see_no_key(gen, engine, sinks):
     keep[..., ::3, :] = False  # every third row sees no key
     z = randn(gen, H, 1, 1)
     mask = masks.sinks(z, keep) if sinks else keep
-    out, w, reads = _run(engine, q, k, v, mask)
+    out, w, reads = run(engine, q, k, v, mask)
     dead = (~keep.any(-1)).expand(B, H, L)
     assert torch.equal(out[dead], torch.zeros_like(out[dead]))
     zeros = torch.zeros(B, H, L)
@@ -209,7 +179,7 @@ def test_a_row_is_nan_exactly_where_the_listings_is(gen, engine, case, sinks):
     v = randn(gen, *k.shape)
     z = randn(gen, q.shape[1], 1, 1) if sinks else None
     mask = masks.sinks(z, bias) if sinks else bias
-    out, w, reads = _run(engine, q, k, v, mask, scale=scale)
+    out, w, reads = run(engine, q, k, v, mask, scale=scale)
     p, s, lse = _listing(q, k, bias, scale=scale)
     nan_rows = torch.isnan(p[..., 0])  # (B, H, L): the listing's NaN rows
     assert torch.equal(torch.isnan(out).any(-1), nan_rows), f"{engine} {name}: output"
