@@ -28,6 +28,10 @@ from sdpa import masks, settings, tile
 from sdpa.inputs import Inputs, empty
 
 ALL = slice(None)
+# The reads run eagerly under torch.compile: their tile loops (a Python loop over tiles
+# with a host read to pick the shift) are not graph material, and dynamo would hand the
+# loop's indices to a resume function as symbolic ints.
+_eager = torch.compiler.disable
 
 
 class Rows(NamedTuple):
@@ -215,6 +219,7 @@ def _each(r: Rows) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor, torch.Ten
         yield t, *_shifted(r, t, scratch[: math.prod(shape)].view(shape))
 
 
+@_eager
 def dense(r: Rows) -> torch.Tensor:
     """The weights of the selection, (B', H', n, m)."""
     if empty(*r.shape):
@@ -225,6 +230,7 @@ def dense(r: Rows) -> torch.Tensor:
     return out
 
 
+@_eager
 def key_sums(r: Rows) -> torch.Tensor:
     """Sum over the selection's rows (all keys): the attention each key receives,
     (B', H', S), the tiles' partial sums added in float64 on CPU."""
@@ -237,6 +243,7 @@ def key_sums(r: Rows) -> torch.Tensor:
     return out.to(r.dtype)
 
 
+@_eager
 def entropy(r: Rows) -> torch.Tensor:
     """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
     B, H, n, _ = r.shape
@@ -249,6 +256,7 @@ def entropy(r: Rows) -> torch.Tensor:
     return out
 
 
+@_eager
 def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest weights of each row and their key indices, each (B', H', n, k): the
     top k of the shifted scores, exponentiated and normalised."""
@@ -263,6 +271,7 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, indices
 
 
+@_eager
 def amax(r: Rows) -> torch.Tensor:
     """Each row's largest weight, (B', H', n): exp(max t) / total."""
     B, H, n, _ = r.shape
@@ -282,6 +291,7 @@ def log_weights(r: Rows, t: Tile) -> torch.Tensor:
     return tile.log_weights(shifted, total)
 
 
+@_eager
 def kl(r: Rows, other: Callable[[Tile], torch.Tensor], reverse: bool) -> torch.Tensor:
     """KL(Q || P) per row, (B', H', n), P the weights of `r` (every key), Q = exp of
     other(tile), the other side's log-weights on the same tile; with reverse, KL(P || Q).
@@ -294,6 +304,7 @@ def kl(r: Rows, other: Callable[[Tile], torch.Tensor], reverse: bool) -> torch.T
     return out
 
 
+@_eager
 def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
     """u^T P over the rows: u (B', H', F, n) -> (B', H', F, S), one tile at a time."""
     B, H, _, m = r.shape
@@ -307,6 +318,7 @@ def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@_eager
 def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     """d(u^T P)/du given the upstream g (B', H', F, S): g P^T, (B', H', F, n)."""
     B, H, n, _ = r.shape
@@ -319,6 +331,7 @@ def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@_eager
 def max_logits(r: Rows) -> torch.Tensor:
     """Each row's largest raw score (scale and float mask, no softcap), (B', H', n):
     -inf where a row sees no key."""
@@ -332,6 +345,7 @@ def max_logits(r: Rows) -> torch.Tensor:
     return out
 
 
+@_eager
 def pairs(inputs: Inputs, lse: torch.Tensor, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor:
     """The weights at P (query, key) pairs, (B, Hq, P): qi, kj (1|B, P) positions among
     the L queries and S keys, p = exp(s - lse) (a pair is a selection of one key)."""
