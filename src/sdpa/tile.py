@@ -360,7 +360,7 @@ def finish(
         row_lse = s.new_zeros(s.shape[:-1])
         if sinks is not None:
             row_lse = torch.logaddexp(row_lse, sinks.detach().expand_as(row_lse))
-        return (s if not log else s - 0.0), row_lse
+        return s, row_lse
     if not lse and sinks is None and not log and s.is_cpu:
         p = torch.softmax(s, dim=-1)
         odd = torch.isnan(p[..., :1])  # a NaN row: it sees no key, or has a NaN / +inf score
