@@ -595,6 +595,16 @@ _is_compiling = torch.compiler.is_compiling
 _autocast_on = torch.is_autocast_enabled
 
 
+_TENSOR = torch.Tensor
+# FakeTensor (torch._subclasses, imported by torch itself) is a plain tensor to
+# `normalize` too: shapes without data, as under FakeTensorMode (CUDA ones on a
+# CPU-only machine: how the tests hold the CUDA lane to `normalize`)
+_FAKE = getattr(getattr(torch, "_subclasses", None), "FakeTensor", _TENSOR)
+
+
+_new_inputs = tuple.__new__  # Inputs(...) without the NamedTuple's keyword handling
+
+
 def fast_normalize(
     query: object,
     key: object,
@@ -609,27 +619,28 @@ def fast_normalize(
     None: then `normalize` validates (and names what is wrong).
 
     Takes plain 4-D tensors q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) of one
-    float dtype on one CPU or CUDA device, Hkv dividing Hq (only Hkv == Hq without gqa),
-    every size > 0; mask None or a plain 4-D tensor on that device, bool or float in the
-    input or softmax dtype (not requiring grad), shaped (B|1, Hq|1, L|1, S); causal a
-    bool (L == S if True); scale None or a finite float; dropout_p 0.0; autocast off;
-    not while torch.compile traces. Returns exactly what `normalize` returns for them
-    (a test holds the two equal).
+    float dtype on one CPU or CUDA device (fake ones too: torch._subclasses.FakeTensor),
+    Hkv dividing Hq (only Hkv == Hq without gqa), every size > 0; mask None or a plain
+    4-D tensor on that device, bool or float in the input or softmax dtype (not
+    requiring grad), shaped (B|1, Hq|1, L|1, S); causal a bool (L == S if True); scale
+    None or a finite float; dropout_p 0.0; autocast off; not while torch.compile traces.
+    Returns exactly what `normalize` returns for them (tests/test_fast_path.py holds the
+    two equal, field by field, across this domain and its edges).
     """
+    cls = query.__class__
     if (
-        query.__class__ is not torch.Tensor
-        or key.__class__ is not torch.Tensor
-        or value.__class__ is not torch.Tensor
+        (cls is not _TENSOR and cls is not _FAKE)
+        or key.__class__ is not cls
+        or value.__class__ is not cls
         or dropout_p.__class__ is not float
         or dropout_p != 0.0
         or _is_compiling()
     ):
         return None
     try:  # a strided nested tensor has no .shape: it raises here
-        qs, ks, vs = query.shape, key.shape, value.shape
-        B, Hq, L, E = qs
-        B_k, Hkv, S, E_k = ks
-        B_v, Hkv_v, S_v, Ev = vs
+        B, Hq, L, E = query.shape
+        B_k, Hkv, S, E_k = key.shape
+        B_v, Hkv_v, S_v, Ev = value.shape
     except (RuntimeError, ValueError):  # nested, or not 4-D
         return None
     dtype = query.dtype
@@ -644,13 +655,15 @@ def fast_normalize(
     if on_cpu:
         if not (key.is_cpu and value.is_cpu) or _autocast_on("cpu"):
             return None
-    elif (
-        not query.is_cuda
-        or key.device != query.device
-        or value.device != query.device
-        or _autocast_on("cuda")
-    ):
-        return None
+    else:
+        device = query.device
+        if (
+            device.type != "cuda"
+            or key.device != device
+            or value.device != device
+            or _autocast_on("cuda")
+        ):
+            return None
     if causal is not False and (causal is not True or L != S):
         return None
     if scale is None:
@@ -658,7 +671,7 @@ def fast_normalize(
     elif scale.__class__ is not float or not math.isfinite(scale):
         return None
     if mask is not None:
-        if mask.__class__ is not torch.Tensor:
+        if mask.__class__ is not cls:
             return None
         try:
             mb, mh, ml, ms = mask.shape
@@ -667,7 +680,7 @@ def fast_normalize(
         md = mask.dtype
         if (
             (mb != B and mb != 1) or (mh != Hq and mh != 1) or (ml != L and ml != 1)
-            or ms != S or not (mask.is_cpu if on_cpu else mask.device == query.device)
+            or ms != S or not (mask.is_cpu if on_cpu else mask.device == device)
         ):  # fmt: skip
             return None
         if md is not torch.bool and (
@@ -676,7 +689,7 @@ def fast_normalize(
             return None
         if ml != L:
             mask = mask.expand(mb, mh, L, S)
-    return Inputs(query, key, value, mask, causal, scale, 0.0, (B, Hq))
+    return _new_inputs(Inputs, (query, key, value, mask, causal, scale, 0.0, (B, Hq), None, None))
 
 
 # -- for the engines ---------------------------------------------------------------------
