@@ -163,10 +163,18 @@ class AttentionWeights:
         return grads.needs(self._inputs if inputs is None else inputs)
 
     def _log_sum_exp(self) -> torch.Tensor:
-        """The LSE (B, Hq, L), computed on first use where the backend gave none."""
+        """The LSE (B, Hq, L), computed on first use where the backend gave none: by
+        the fused kernel itself where it served the call (its output came from torch's
+        entry, which returns no LSE: the same kernel asked again gives the LSE it would
+        have given, bit for bit), else by the reference math (the small backend's
+        weights: shapes small enough to score whole)."""
         if self._lse is None:
+            inputs = self._inputs._replace(dropout_p=0.0)
             with torch.no_grad(), no_autocast(self.device.type):
-                self._lse = Reference().forward(self._inputs._replace(dropout_p=0.0))[1]
+                ran = None
+                if self._fused is not None and getattr(self._backend, "name", None) == "fused":
+                    ran = self._fused(inputs)
+                self._lse = (ran if ran is not None else Reference().forward(inputs))[1]
         return self._lse
 
     def _check_fresh(self) -> None:
@@ -636,9 +644,18 @@ def _triton_logits(w: AttentionWeights) -> torch.Tensor:
 
 def _triton_received_serves(w: AttentionWeights) -> bool:
     """The received kernel's float32 subtraction s - lse loses digits past
-    kernel_lse_limit (a huge finite bias): those calls go to the rows engine."""
-    limit = settings.get().kernel_lse_limit
-    return _triton_serves(w) and not bool((w._log_sum_exp().abs() > limit).any())
+    kernel_lse_limit (a huge finite bias): those calls go to the rows engine. On CPU
+    that is read from the LSE; on a GPU it is decided from the mask's type, never read
+    (no host sync): a float mask, which can hold such biases (-1e9, finfo.min), goes to
+    the rows engine; without one only scores past the limit could (|q.k| * scale >
+    1024), where the kernel's error eps * |lse| is that of the float32 scores."""
+    if not _triton_serves(w):
+        return False
+    i = w._inputs
+    if i.query.is_cpu:
+        limit = settings.get().kernel_lse_limit
+        return not bool((w._log_sum_exp().abs() > limit).any())
+    return not (isinstance(i.mask, torch.Tensor) and i.mask.is_floating_point())
 
 
 def _triton_received(w: AttentionWeights) -> torch.Tensor:
@@ -653,7 +670,9 @@ def _fused_received_serves(w: AttentionWeights) -> bool:
     """The swapped call serves where the fused kernel runs, without softcap or sinks, at
     a non-zero scale, with no mask, the top-left causal one (L == S) or a tensor mask
     that is the same for every query (key padding: its transpose is one column), and
-    |lse| <= fold_lse_limit (the folded column then keeps float32 error < 1e-5)."""
+    |lse| <= fold_lse_limit (the folded column then keeps float32 error < 1e-5): on
+    CPU, where that is read from the LSE without a device sync (elsewhere the Triton
+    kernel or the rows engine serves)."""
     i = w._inputs
     L, S = i.query.shape[2], i.key.shape[2]
     mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
@@ -667,6 +686,7 @@ def _fused_received_serves(w: AttentionWeights) -> bool:
         and i.softcap is None
         and i.sinks is None
         and i.scale != 0
+        and i.query.is_cpu  # (the rule below reads the LSE on the host: a sync elsewhere)
         and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
     )
 

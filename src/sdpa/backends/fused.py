@@ -123,7 +123,8 @@ def _run_pieces(
         if p.k1 == p.k0:  # sees no key: the tile rule's convention
             out, lse = tile.no_keys(qp, v.shape[-1], sinks, inputs.compute_dtype)
         else:
-            mask = tile.additive(blocks.keep(inputs, p), q.dtype) if p.masked else None
+            mask = blocks.keep(inputs, p) if p.masked else None  # (bool: the CUDA glue's)
+            mask = tile.additive(mask, q.dtype) if q.is_cpu else mask
             kp, vp = k[p.batch, :, p.k0 : p.k1], v[p.batch, :, p.k0 : p.k1]
             out, lse = kernel(qp, kp, vp, mask, False, inputs.scale, sinks)
         groups.setdefault((p.batch.start, p.batch.stop), []).append((out, lse))
@@ -138,26 +139,63 @@ def _one_masked_call(pieces: list[blocks.Piece], S: int) -> bool:
 
 
 _REFERENCE = Reference()
+_F_SDPA = F.scaled_dot_product_attention
+_flash_enabled = getattr(torch._C, "_get_flash_sdp_enabled", lambda: False)
+
+# The CPU calls whose output comes from F.scaled_dot_product_attention, their LSE left
+# to the first read that needs it: one query (a decoding step) over at most this many
+# scores B * Hq * S. torch's own entry costs the host less than the LSE-returning op
+# called from Python (measured by benchmarks/bench_decode.py: see
+# docs/guide/gpu-lean-entry.md), and a read then asks the kernel again, which at this
+# size costs about one more such call.
+OUTPUT_ONLY_SCORES = 2**15
+
+
+def _output_only(inputs: Inputs) -> bool:
+    """Whether a CPU call runs as torch's F.scaled_dot_product_attention (output only;
+    the same CPU flash kernel, bit for bit, as `run`'s direct call): one query over at
+    most OUTPUT_ONLY_SCORES scores, one head size, unit last strides, no sinks or
+    dropout, no mask or a tensor one that is bool or in the input dtype (torch's rule),
+    flash enabled in torch.nn.attention.sdpa_kernel (else torch would pick its math
+    path). Decided from shapes, dtypes and one flag."""
+    q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
+    B, H, L, E = q.shape
+    if L != 1 or B * H * k.shape[2] > OUTPUT_ONLY_SCORES or E != v.shape[3]:
+        return False
+    if mask is not None and (
+        mask.__class__ is not torch.Tensor
+        or (mask.dtype is not torch.bool and mask.dtype is not q.dtype)
+    ):
+        return False
+    return (
+        q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
+        and inputs.sinks is None and inputs.dropout_p == 0.0 and _flash_enabled()
+    )  # fmt: skip
 
 
 class Fused(Backend):
     name = "fused"
 
     def path(self, inputs: Inputs) -> str:
-        """The decisions of `forward`, in words (re-planned from the inputs)."""
-        op = "torch's CPU flash kernel" if inputs.query.is_cpu else "torch's fused CUDA op"
+        """The decisions of `run` and `forward`, in words (re-planned from the inputs)."""
+        on_cpu = inputs.query.is_cpu
+        op = "torch's CPU flash kernel" if on_cpu else "torch's fused CUDA op"
         sinks = ", sinks merged on top" if inputs.sinks is not None else ""
         if inputs.no_work:
             return "no score to compute: zeros"
+        if on_cpu and _output_only(inputs):
+            return (
+                "one call of F.scaled_dot_product_attention (torch's CPU flash kernel); "
+                "the LSE on the first read that needs it"
+            )
         L, S = inputs.query.shape[2], inputs.key.shape[2]
-        if blocks.whole(inputs.mask, L):
+        if blocks.whole(inputs.mask, L, on_cpu):
             masked = " with the mask" if inputs.mask is not None else ""
             causal = " on its own causal path" if inputs.causal else ""
             return f"one call of {op}{masked}{causal}{sinks}"
         if inputs.causal_only:
             return f"one call of {op} on its own causal path{sinks}"
-        occ = blocks.structure(inputs)
-        pieces = None if occ is None else blocks.plan(occ, L, S)
+        pieces = blocks.pieces(inputs)
         if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
             return f"one call of {op} with the mask whole{sinks}"
         calls = sum(p.k1 > p.k0 for p in pieces)
@@ -208,51 +246,66 @@ class Fused(Backend):
             )
         return reasons
 
-    def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """forward, with the calls made most (CPU, no sinks, one head size, unit
-        strides, no mask or a mask over at most one query block) sent straight to the
-        kernel: decided from shapes, in about a microsecond."""
+    def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        """forward, with the calls made most (no sinks, one head size, unit strides; on
+        CPU no mask or a mask over at most one query block, on CUDA no mask) sent
+        straight to the kernel: decided from shapes, in about a microsecond. The
+        smallest CPU calls (`_output_only`) take their output from torch's
+        F.scaled_dot_product_attention and leave the LSE to the first read that needs
+        it (lse None: AttentionWeights asks the kernel again then)."""
         q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
-        if q.is_cpu and inputs.sinks is None:
+        if inputs.sinks is None:
             _, H, L, E = q.shape
             if (
                 H.__class__ is int  # sizes known (not traced): the checks below are plain
                 and H and L and E and k.shape[2]
                 and E == v.shape[3]
-                and blocks.whole(mask, L)
                 and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
             ):  # fmt: skip
-                if mask is not None:
-                    mask = tile.additive(mask, q.dtype)
-                out, lse = aten.CPU_FLASH(
-                    q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale
-                )
-                return out, lse, None
+                if q.is_cpu:
+                    if blocks.whole(mask, L):
+                        if _output_only(inputs):
+                            out = _F_SDPA(
+                                q, k, v, mask, 0.0, inputs.causal, scale=inputs.scale,
+                                enable_gqa=k.shape[1] != H,
+                            )  # fmt: skip
+                            return out, None, None
+                        if mask is not None:
+                            mask = tile.additive(mask, q.dtype)
+                        out, lse = aten.CPU_FLASH(
+                            q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale
+                        )
+                        return out, lse, None
+                elif mask is None and E % cuda.HEAD_ALIGN == 0 and q.device.type == "cuda":
+                    out, lse = cuda.kernel(q, k, v, None, inputs.causal, inputs.scale)
+                    return out, lse, None
         out, lse = self.forward(inputs)
         return out, lse, None
 
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         if inputs.no_work:  # torch's kernels crash on 0 heads, queries or keys
             return _REFERENCE.forward(inputs)  # nothing to compute: zeros, differentiable
-        kernel = _cpu_kernel if inputs.query.is_cpu else _KERNELS[inputs.query.device.type]
+        on_cpu = inputs.query.is_cpu
+        kernel = _cpu_kernel if on_cpu else _KERNELS[inputs.query.device.type]
         q, k, v = _prepare(inputs)
         Ev = inputs.value.shape[-1]
         mask = inputs.mask
         L, S = q.shape[2], k.shape[2]
-        if blocks.whole(mask, L):  # no block to skip: one call, causal or not
-            mask = tile.additive(mask, q.dtype)
+        if blocks.whole(mask, L, on_cpu):  # no block to skip: one call, causal or not
+            # (the CPU kernel takes a float mask, converted once and cached; the CUDA
+            # glue takes a bool mask as it is, with no cache keyed on device pointers)
+            mask = tile.additive(mask, q.dtype) if on_cpu else mask
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
             return (out if out.shape[-1] == Ev else out[..., :Ev]), lse
         if inputs.causal_only:
             out, lse = kernel(q, k, v, None, True, inputs.scale, inputs.sinks)  # its own causal
             return out[..., :Ev], lse
-        occ = blocks.structure(inputs)
-        pieces = None if occ is None else blocks.plan(occ, L, S)
+        pieces = blocks.pieces(inputs)
         if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
             # (a plan with no kernel call at all would cut the output from autograd)
             if isinstance(mask, masks.Mask):
                 mask = masks.as_4d(mask.materialize(L, S, q.device, max_bytes=None))
-            mask = tile.additive(mask, q.dtype)
+            mask = tile.additive(mask, q.dtype) if on_cpu else mask
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
         else:
             out, lse = _run_pieces(inputs, pieces, q, k, v, kernel)
