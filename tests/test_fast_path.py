@@ -23,10 +23,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch._subclasses import FakeTensorMode
 
+import sdpa
 from sdpa import masks
 from sdpa import settings as sdpa_settings
-from sdpa.backends import BACKENDS, select, select_fast
+from sdpa.backends import BACKENDS, aten, fused, select, select_fast
 from sdpa.inputs import fast_normalize, normalize
+from sdpa.tile import additive
+
+from oracle import oracle
 
 pytestmark = pytest.mark.small_shapes  # the small backend at its real thresholds
 
@@ -218,3 +222,85 @@ def test_on_cuda_the_lane_asks_the_fused_backend(fake_mode, monkeypatch):
         assert select_fast(inputs) is fused
         monkeypatch.setattr(type(fused), "not_supported_reasons", refusing)
         assert select_fast(inputs) is select(normalize(q, q, q)) is BACKENDS["chunked"]
+
+
+# -- the lean entry on CPU: torch's F.sdpa for the output, the LSE on first read -------
+
+LEAN_CASES = [  # (dtype, mask kind, Hq, Hkv, S)
+    (torch.float32, "none", 4, 2, 128),
+    (torch.float32, "bool", 4, 2, 128),
+    (torch.float32, "float", 8, 8, 37),
+    (torch.bfloat16, "bool", 4, 1, 300),
+    (torch.float16, "none", 2, 2, 1),
+    (torch.float64, "bool", 4, 2, 64),
+]
+
+
+def _lean_inputs(gen, dtype, kind, Hq, Hkv, S):
+    q = torch.randn(2, Hq, 1, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(2, Hkv, S, 16, generator=gen).to(dtype) for _ in range(2))
+    keep = torch.rand(2, 1, 1, S, generator=gen) < 0.7
+    keep[0, ..., 0] = True
+    keep[1] = False  # batch element 1 sees no key: output 0, weights 0, LSE 0
+    mask = {"none": None, "bool": keep}.get(kind)
+    if kind == "float":
+        mask = torch.randn(2, 1, 1, S, generator=gen).to(dtype).masked_fill(~keep, -math.inf)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype,kind,Hq,Hkv,S", LEAN_CASES)
+def test_decode_takes_its_output_from_torch_and_its_lse_on_first_read(gen, dtype, kind, Hq, Hkv, S):
+    """One query row: the output is F.scaled_dot_product_attention's, which is the CPU
+    flash kernel's bit for bit; no LSE is computed at the call; the first read that
+    needs it asks the kernel, and gets what the kernel gives with the output."""
+    q, k, v, mask = _lean_inputs(gen, dtype, kind, Hq, Hkv, S)
+    out, w = sdpa.attention(q, k, v, mask)
+    assert w._lse is None and "F.scaled_dot_product_attention" in w.served_by, w.served_by
+    kernel_out, kernel_lse = aten.CPU_FLASH(
+        q, k, v, 0.0, False, attn_mask=additive(mask, dtype), scale=16**-0.5
+    )
+    assert torch.equal(out, kernel_out)
+    assert torch.equal(w.lse, kernel_lse)
+    ref_out, ref_p = oracle(q, k, v, mask)
+    tol = 2e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=0)
+    torch.testing.assert_close(w.full().double(), ref_p, atol=2e-5, rtol=0)
+    torch.testing.assert_close(w[0, :, 0].double(), ref_p[0, :, 0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(w.sum(dim=-2).double(), ref_p.sum(-2), atol=2e-5, rtol=0)
+    if kind == "bool":  # the row that sees no key: 0 output, 0 weights, LSE 0
+        assert (out[1] == 0).all() and (w.lse[1] == 0).all() and (w.full()[1] == 0).all()
+
+
+def test_the_lean_lane_leaves_torch_when_flash_is_off_or_the_call_is_larger(gen):
+    """Under sdpa_kernel(MATH) torch's F.sdpa would run its math path (NaN for a row
+    that sees no key): the kernel is called directly then, as for calls over more than
+    OUTPUT_ONLY_SCORES scores, which get their LSE with the output."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, mask = _lean_inputs(gen, torch.float32, "bool", 4, 2, 50)
+    with sdpa_kernel([SDPBackend.MATH]):
+        out, w = sdpa.attention(q, k, v, mask)
+    assert w._lse is not None and (out[1] == 0).all() and not out.isnan().any()
+    S = fused.OUTPUT_ONLY_SCORES // 8 + 1  # 2 x 4 heads x S scores: just over
+    q, k, v, mask = _lean_inputs(gen, torch.float32, "bool", 4, 2, S)
+    assert sdpa.attention(q, k, v, mask).weights._lse is not None
+    q, k, v, mask = _lean_inputs(gen, torch.float32, "bool", 4, 2, S - 1)
+    assert sdpa.attention(q, k, v, mask).weights._lse is None
+
+
+def test_attention_and_the_handle_compile_without_a_graph_break(gen):
+    """torch.compile (mode="reduce-overhead" on CUDA graphs) traces attention() and the
+    handle's creation in one graph, for a decoding step and a short text, every mask."""
+    for L, S in ((1, 64), (5, 5)):
+        q = torch.randn(1, 4, L, 16, generator=gen)
+        k, v = (torch.randn(1, 2, S, 16, generator=gen) for _ in range(2))
+        for mask in (None, torch.rand(1, 1, 1, S, generator=gen) < 0.8):
+
+            def step(q, k, v, mask):
+                out, _weights = sdpa.attention(q, k, v, mask)  # the handle made in the graph
+                return out
+
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(step)(q, k, v, mask)
+            reasons = [str(b.reason) for b in explained.break_reasons]
+            assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons

@@ -150,6 +150,9 @@ def fake_cuda(monkeypatch):
     shims = (getitem, setitem, invert, copy_, contiguous, to)
     for name, fn in zip(names, shims, strict=True):
         monkeypatch.setattr(base, name, fn)
+    # a fake device has no kernels for torch to choose from: its math path, unless a
+    # test picks an op (`picked`)
+    monkeypatch.setattr(cuda, "choice", lambda *args: cuda.MATH)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
 

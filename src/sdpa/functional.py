@@ -23,6 +23,9 @@ class AttentionResult(NamedTuple):
     weights: AttentionWeights  # lazy (..., L, S)
 
 
+_result = tuple.__new__  # AttentionResult(out, w) without the NamedTuple's keyword handling
+
+
 def fused_runner(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The fused backend on (B, H, L, D) inputs, or None where it can't run them: how
     AttentionWeights computes some statistics with one more fused call."""
@@ -146,6 +149,14 @@ def attention(
     Equivalent to (up to rounding, without materialising the scores):
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
+    if backend == "auto" and not _frozen_blocks:  # the lean entry: _compute's fast lane
+        inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p)
+        if inputs is not None:
+            impl = select_fast(inputs)
+            out, lse, p = impl.run(inputs)
+            return _result(
+                AttentionResult, (out, AttentionWeights(inputs, lse, fused_runner, p, impl))
+            )
     inputs, out, lse, p, impl = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
     frozen_call = bool(_frozen_blocks) and _frozen_here() and _wanted_grad(query, key, mask)
     return AttentionResult(

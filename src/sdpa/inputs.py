@@ -592,7 +592,9 @@ _SQRT = {n: 1.0 / math.sqrt(n) for n in range(1, 1025)}  # default scales, no ca
 _is_compiling = torch.compiler.is_compiling
 
 
-_autocast_on = torch.is_autocast_enabled
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+)
 
 
 _TENSOR = torch.Tensor
@@ -634,13 +636,14 @@ def fast_normalize(
         or value.__class__ is not cls
         or dropout_p.__class__ is not float
         or dropout_p != 0.0
+        or _any_autocast()  # (any device: the lane then leaves it to normalize)
         or _is_compiling()
     ):
         return None
-    try:  # a strided nested tensor has no .shape: it raises here
-        B, Hq, L, E = query.shape
-        B_k, Hkv, S, E_k = key.shape
-        B_v, Hkv_v, S_v, Ev = value.shape
+    try:  # a strided nested tensor has no size: it raises here
+        B, Hq, L, E = query.size()
+        B_k, Hkv, S, E_k = key.size()
+        B_v, Hkv_v, S_v, Ev = value.size()
     except (RuntimeError, ValueError):  # nested, or not 4-D
         return None
     dtype = query.dtype
@@ -648,21 +651,16 @@ def fast_normalize(
         B_k != B or B_v != B or E_k != E or Hkv_v != Hkv or S_v != S
         or not (B and Hkv and L and S and E and Ev) or Hq % Hkv
         or (Hkv != Hq and not gqa)
-        or dtype not in _FLOATS or key.dtype is not dtype or value.dtype is not dtype
+        or key.dtype is not dtype or value.dtype is not dtype or dtype not in _FLOATS
     ):  # fmt: skip
         return None
     on_cpu = query.is_cpu
     if on_cpu:
-        if not (key.is_cpu and value.is_cpu) or _autocast_on("cpu"):
+        if not (key.is_cpu and value.is_cpu):
             return None
     else:
         device = query.device
-        if (
-            device.type != "cuda"
-            or key.device != device
-            or value.device != device
-            or _autocast_on("cuda")
-        ):
+        if device.type != "cuda" or key.device != device or value.device != device:
             return None
     if causal is not False and (causal is not True or L != S):
         return None
@@ -674,7 +672,7 @@ def fast_normalize(
         if mask.__class__ is not cls:
             return None
         try:
-            mb, mh, ml, ms = mask.shape
+            mb, mh, ml, ms = mask.size()
         except (RuntimeError, ValueError):
             return None
         md = mask.dtype

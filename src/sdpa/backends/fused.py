@@ -151,26 +151,46 @@ _flash_enabled = getattr(torch._C, "_get_flash_sdp_enabled", lambda: False)
 OUTPUT_ONLY_SCORES = 2**15
 
 
-def _output_only(inputs: Inputs) -> bool:
-    """Whether a CPU call runs as torch's F.scaled_dot_product_attention (output only;
-    the same CPU flash kernel, bit for bit, as `run`'s direct call): one query over at
-    most OUTPUT_ONLY_SCORES scores, one head size, unit last strides, no sinks or
-    dropout, no mask or a tensor one that is bool or in the input dtype (torch's rule),
-    flash enabled in torch.nn.attention.sdpa_kernel (else torch would pick its math
-    path). Decided from shapes, dtypes and one flag."""
+def _output_only(B: int, H: int, L: int, S: int, mask: torch.Tensor | None, dtype) -> bool:
+    """Whether a CPU call of the direct lane (`_direct`) runs as torch's
+    F.scaled_dot_product_attention (output only; the same CPU flash kernel, bit for bit,
+    where the lane's one head size and unit strides hold; without a mask torch may
+    choose its math path for others, and no row can see no key): one query over at
+    most OUTPUT_ONLY_SCORES scores B * H * S, no mask or a bool one or one in the input
+    dtype (torch's rule), flash enabled in torch.nn.attention.sdpa_kernel (else torch
+    would pick its math path, which gives NaN to rows that see no key). From sizes,
+    dtypes and one flag."""
+    return (
+        L == 1
+        and B * H * S <= OUTPUT_ONLY_SCORES
+        and (mask is None or mask.dtype is torch.bool or mask.dtype is dtype)
+        and _flash_enabled()
+    )
+
+
+def _unit_last(t: torch.Tensor, E: int, plain: bool = False) -> bool:
+    """t.stride(3) == 1; where every size is a plain int (`plain`: not traced, or
+    is_contiguous would guard on a traced size) and E > 1, in a third of its time for a
+    contiguous t."""
+    return (plain and E > 1 and t.is_contiguous()) or t.stride(3) == 1
+
+
+def _direct(inputs: Inputs) -> bool:
+    """Whether `run` sends these inputs straight to the kernel (for `path`): sizes known
+    and non-zero, no sinks; on CPU a mask the kernel takes whole, and one head size and
+    unit last strides (not needed without a mask in the output-only lane); on CUDA no
+    mask, one head size a multiple of 8, unit last strides."""
     q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
     B, H, L, E = q.shape
-    if L != 1 or B * H * k.shape[2] > OUTPUT_ONLY_SCORES or E != v.shape[3]:
+    S, Ev = v.shape[2], v.shape[3]
+    if not (H.__class__ is int and H and L and E and S) or inputs.sinks is not None:
         return False
-    if mask is not None and (
-        mask.__class__ is not torch.Tensor
-        or (mask.dtype is not torch.bool and mask.dtype is not q.dtype)
-    ):
-        return False
-    return (
-        q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
-        and inputs.sinks is None and inputs.dropout_p == 0.0 and _flash_enabled()
-    )  # fmt: skip
+    strided = E == Ev and _unit_last(q, E) and _unit_last(k, E) and _unit_last(v, E)
+    if q.is_cpu:
+        if not blocks.whole(mask, L):
+            return False
+        return strided or (mask is None and _output_only(B, H, L, S, mask, q.dtype))
+    return mask is None and strided and E % cuda.HEAD_ALIGN == 0
 
 
 class Fused(Backend):
@@ -183,12 +203,14 @@ class Fused(Backend):
         sinks = ", sinks merged on top" if inputs.sinks is not None else ""
         if inputs.no_work:
             return "no score to compute: zeros"
-        if on_cpu and _output_only(inputs):
+        B, H, L, _ = inputs.query.shape
+        S = inputs.key.shape[2]
+        mask = inputs.mask
+        if on_cpu and _direct(inputs) and _output_only(B, H, L, S, mask, inputs.query.dtype):
             return (
                 "one call of F.scaled_dot_product_attention (torch's CPU flash kernel); "
                 "the LSE on the first read that needs it"
             )
-        L, S = inputs.query.shape[2], inputs.key.shape[2]
         if blocks.whole(inputs.mask, L, on_cpu):
             masked = " with the mask" if inputs.mask is not None else ""
             causal = " on its own causal path" if inputs.causal else ""
@@ -247,37 +269,47 @@ class Fused(Backend):
         return reasons
 
     def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        """forward, with the calls made most (no sinks, one head size, unit strides; on
-        CPU no mask or a mask over at most one query block, on CUDA no mask) sent
-        straight to the kernel: decided from shapes, in about a microsecond. The
+        """forward, with the calls made most (`_direct`: no sinks, one head size, unit
+        strides; on CPU no mask or a mask over at most one query block, on CUDA no mask)
+        sent straight to the kernel, decided from shapes in about a microsecond. The
         smallest CPU calls (`_output_only`) take their output from torch's
         F.scaled_dot_product_attention and leave the LSE to the first read that needs
         it (lse None: AttentionWeights asks the kernel again then)."""
-        q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
-        if inputs.sinks is None:
-            _, H, L, E = q.shape
-            if (
-                H.__class__ is int  # sizes known (not traced): the checks below are plain
-                and H and L and E and k.shape[2]
-                and E == v.shape[3]
-                and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
-            ):  # fmt: skip
+        q, k, v, mask, causal, scale, _, _, _, sinks = inputs
+        if sinks is None:
+            B, H, L, E = q.size()
+            _, Hkv, S, Ev = v.size()
+            if H.__class__ is int and H and L and E and S:  # sizes known and non-zero
+                plain = B.__class__ is int and L.__class__ is int and S.__class__ is int
                 if q.is_cpu:
                     if blocks.whole(mask, L):
-                        if _output_only(inputs):
-                            out = _F_SDPA(
-                                q, k, v, mask, 0.0, inputs.causal, scale=inputs.scale,
-                                enable_gqa=k.shape[1] != H,
-                            )  # fmt: skip
+                        if plain and mask is None and _output_only(B, H, L, S, mask, q.dtype):
+                            # (any strides and head sizes: torch's choice then, and
+                            # without a mask no row can see no key)
+                            out = _F_SDPA(q, k, v, None, 0.0, causal, scale=scale,
+                                          enable_gqa=Hkv != H)  # fmt: skip
                             return out, None, None
-                        if mask is not None:
-                            mask = tile.additive(mask, q.dtype)
-                        out, lse = aten.CPU_FLASH(
-                            q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale
-                        )
-                        return out, lse, None
-                elif mask is None and E % cuda.HEAD_ALIGN == 0 and q.device.type == "cuda":
-                    out, lse = cuda.kernel(q, k, v, None, inputs.causal, inputs.scale)
+                        if (
+                            E == Ev and _unit_last(q, E, plain) and _unit_last(k, E, plain)
+                            and _unit_last(v, E, plain)
+                        ):  # fmt: skip
+                            if plain and _output_only(B, H, L, S, mask, q.dtype):  # flash's
+                                out = _F_SDPA(q, k, v, mask, 0.0, causal, scale=scale,
+                                              enable_gqa=Hkv != H)  # fmt: skip
+                                return out, None, None
+                            if mask is not None:
+                                mask = tile.additive(mask, q.dtype)
+                            out, lse = aten.CPU_FLASH(
+                                q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+                            )
+                            return out, lse, None
+                elif (
+                    mask is None and E == Ev and E % cuda.HEAD_ALIGN == 0
+                    and q.device.type == "cuda"
+                    and _unit_last(q, E, plain) and _unit_last(k, E, plain)
+                    and _unit_last(v, E, plain)
+                ):  # fmt: skip
+                    out, lse = cuda.kernel(q, k, v, None, causal, scale)
                     return out, lse, None
         out, lse = self.forward(inputs)
         return out, lse, None
