@@ -361,8 +361,10 @@ def finish(
         return (s if not log else s - 0.0), row_lse
     if not lse and sinks is None and not log and s.is_cpu:
         p = torch.softmax(s, dim=-1)
-        first = float(p.select(-1, 0).sum())  # NaN: a row sees no key, or has a NaN score
-        if first == first:  # (one host read, CPU only: cheaper than a pass to find them)
+        # one host read (CPU only; cheaper than a pass to find them): the first column's
+        # sum is NaN where a row sees no key or has a NaN score
+        first = float((p.detach() if grad else p).select(-1, 0).sum())
+        if first == first:
             return p, None
         odd = torch.isnan(p[..., :1])
         dead = odd & torch.isneginf(s.detach().amax(dim=-1, keepdim=True))
