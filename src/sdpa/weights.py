@@ -163,18 +163,10 @@ class AttentionWeights:
         return grads.needs(self._inputs if inputs is None else inputs)
 
     def _log_sum_exp(self) -> torch.Tensor:
-        """The LSE (B, Hq, L), computed on first use where the backend gave none: by
-        the fused kernel itself where it served the call (its output came from torch's
-        entry, which returns no LSE: the same kernel asked again gives the LSE it would
-        have given, bit for bit), else by the reference math (the small backend's
-        weights: shapes small enough to score whole)."""
+        """The LSE (B, Hq, L), computed on first use where the backend gave none."""
         if self._lse is None:
-            inputs = self._inputs._replace(dropout_p=0.0)
             with torch.no_grad(), no_autocast(self.device.type):
-                ran = None
-                if self._fused is not None and getattr(self._backend, "name", None) == "fused":
-                    ran = self._fused(inputs)
-                self._lse = (ran if ran is not None else Reference().forward(inputs))[1]
+                self._lse = Reference().forward(self._inputs._replace(dropout_p=0.0))[1]
         return self._lse
 
     def _check_fresh(self) -> None:

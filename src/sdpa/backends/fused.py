@@ -139,58 +139,6 @@ def _one_masked_call(pieces: list[blocks.Piece], S: int) -> bool:
 
 
 _REFERENCE = Reference()
-_F_SDPA = F.scaled_dot_product_attention
-_flash_enabled = getattr(torch._C, "_get_flash_sdp_enabled", lambda: False)
-
-# The CPU calls whose output comes from F.scaled_dot_product_attention, their LSE left
-# to the first read that needs it: one query (a decoding step) over at most this many
-# scores B * Hq * S. torch's own entry costs the host less than the LSE-returning op
-# called from Python (measured by benchmarks/bench_decode.py: see
-# docs/guide/gpu-lean-entry.md), and a read then asks the kernel again, which at this
-# size costs about one more such call.
-OUTPUT_ONLY_SCORES = 2**15
-
-
-def _output_only(B: int, H: int, L: int, S: int, mask: torch.Tensor | None, dtype) -> bool:
-    """Whether a CPU call of the direct lane (`_direct`) runs as torch's
-    F.scaled_dot_product_attention (output only; the same CPU flash kernel, bit for bit,
-    where the lane's one head size and unit strides hold; without a mask torch may
-    choose its math path for others, and no row can see no key): one query over at
-    most OUTPUT_ONLY_SCORES scores B * H * S, no mask or a bool one or one in the input
-    dtype (torch's rule), flash enabled in torch.nn.attention.sdpa_kernel (else torch
-    would pick its math path, which gives NaN to rows that see no key). From sizes,
-    dtypes and one flag."""
-    return (
-        L == 1
-        and B * H * S <= OUTPUT_ONLY_SCORES
-        and (mask is None or mask.dtype is torch.bool or mask.dtype is dtype)
-        and _flash_enabled()
-    )
-
-
-def _unit_last(t: torch.Tensor, E: int, plain: bool = False) -> bool:
-    """t.stride(3) == 1; where every size is a plain int (`plain`: not traced, or
-    is_contiguous would guard on a traced size) and E > 1, in a third of its time for a
-    contiguous t."""
-    return (plain and E > 1 and t.is_contiguous()) or t.stride(3) == 1
-
-
-def _direct(inputs: Inputs) -> bool:
-    """Whether `run` sends these inputs straight to the kernel (for `path`): sizes known
-    and non-zero, no sinks; on CPU a mask the kernel takes whole, and one head size and
-    unit last strides (not needed without a mask in the output-only lane); on CUDA no
-    mask, one head size a multiple of 8, unit last strides."""
-    q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
-    B, H, L, E = q.shape
-    S, Ev = v.shape[2], v.shape[3]
-    if not (H.__class__ is int and H and L and E and S) or inputs.sinks is not None:
-        return False
-    strided = E == Ev and _unit_last(q, E) and _unit_last(k, E) and _unit_last(v, E)
-    if q.is_cpu:
-        if not blocks.whole(mask, L):
-            return False
-        return strided or (mask is None and _output_only(B, H, L, S, mask, q.dtype))
-    return mask is None and strided and E % cuda.HEAD_ALIGN == 0
 
 
 class Fused(Backend):
@@ -203,14 +151,7 @@ class Fused(Backend):
         sinks = ", sinks merged on top" if inputs.sinks is not None else ""
         if inputs.no_work:
             return "no score to compute: zeros"
-        B, H, L, _ = inputs.query.shape
-        S = inputs.key.shape[2]
-        mask = inputs.mask
-        if on_cpu and _direct(inputs) and _output_only(B, H, L, S, mask, inputs.query.dtype):
-            return (
-                "one call of F.scaled_dot_product_attention (torch's CPU flash kernel); "
-                "the LSE on the first read that needs it"
-            )
+        L, S = inputs.query.shape[2], inputs.key.shape[2]
         if blocks.whole(inputs.mask, L, on_cpu):
             masked = " with the mask" if inputs.mask is not None else ""
             causal = " on its own causal path" if inputs.causal else ""
@@ -268,49 +209,42 @@ class Fused(Backend):
             )
         return reasons
 
-    def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        """forward, with the calls made most (`_direct`: no sinks, one head size, unit
+    def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """forward, with the calls made most (no sinks, one head size, unit last
         strides; on CPU no mask or a mask over at most one query block, on CUDA no mask)
-        sent straight to the kernel, decided from shapes in about a microsecond. The
-        smallest CPU calls (`_output_only`) take their output from torch's
-        F.scaled_dot_product_attention and leave the LSE to the first read that needs
-        it (lse None: AttentionWeights asks the kernel again then)."""
+        sent straight to the kernel, decided from shapes in well under a microsecond.
+
+        On CPU that is torch's own binding of the LSE-returning op, which costs what
+        F.scaled_dot_product_attention costs (0.96-1.00x at every decoding shape of
+        benchmarks/bench_decode.py; torch.ops' dispatch of the same op costs 1.2x), and
+        with a bool mask less (its additive form cached: 0.79-0.99x F.sdpa given the
+        bool mask, which converts it on every call): so the output never comes from
+        F.sdpa with the LSE left for later (docs/guide/gpu-lean-entry.md)."""
         q, k, v, mask, causal, scale, _, _, _, sinks = inputs
         if sinks is None:
             B, H, L, E = q.size()
-            _, Hkv, S, Ev = v.size()
-            if H.__class__ is int and H and L and E and S:  # sizes known and non-zero
-                plain = B.__class__ is int and L.__class__ is int and S.__class__ is int
-                if q.is_cpu:
-                    if blocks.whole(mask, L):
-                        if plain and mask is None and _output_only(B, H, L, S, mask, q.dtype):
-                            # (any strides and head sizes: torch's choice then, and
-                            # without a mask no row can see no key)
-                            out = _F_SDPA(q, k, v, None, 0.0, causal, scale=scale,
-                                          enable_gqa=Hkv != H)  # fmt: skip
-                            return out, None, None
-                        if (
-                            E == Ev and _unit_last(q, E, plain) and _unit_last(k, E, plain)
-                            and _unit_last(v, E, plain)
-                        ):  # fmt: skip
-                            if plain and _output_only(B, H, L, S, mask, q.dtype):  # flash's
-                                out = _F_SDPA(q, k, v, mask, 0.0, causal, scale=scale,
-                                              enable_gqa=Hkv != H)  # fmt: skip
-                                return out, None, None
-                            if mask is not None:
-                                mask = tile.additive(mask, q.dtype)
-                            out, lse = aten.CPU_FLASH(
-                                q, k, v, 0.0, causal, attn_mask=mask, scale=scale
-                            )
+            _, _, S, Ev = v.size()
+            if H.__class__ is int and H and L and E and S and E == Ev:  # sizes known
+                plain = (  # every size a plain int (is_contiguous would guard on a traced one)
+                    B.__class__ is int and L.__class__ is int and S.__class__ is int
+                    and E.__class__ is int and E > 1
+                )  # fmt: skip
+                if (plain and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or (
+                    q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
+                ):  # (unit last strides: read from contiguity where sizes are plain ints)
+                    if q.is_cpu:
+                        if mask is None:
+                            out, lse = aten.CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
                             return out, lse, None
-                elif (
-                    mask is None and E == Ev and E % cuda.HEAD_ALIGN == 0
-                    and q.device.type == "cuda"
-                    and _unit_last(q, E, plain) and _unit_last(k, E, plain)
-                    and _unit_last(v, E, plain)
-                ):  # fmt: skip
-                    out, lse = cuda.kernel(q, k, v, None, causal, scale)
-                    return out, lse, None
+                        if blocks.whole(mask, L):
+                            out, lse = aten.CPU_FLASH(
+                                q, k, v, 0.0, causal, attn_mask=tile.additive(mask, q.dtype),
+                                scale=scale,
+                            )  # fmt: skip
+                            return out, lse, None
+                    elif mask is None and E % cuda.HEAD_ALIGN == 0 and q.device.type == "cuda":
+                        out, lse = cuda.kernel(q, k, v, None, causal, scale)
+                        return out, lse, None
         out, lse = self.forward(inputs)
         return out, lse, None
 
