@@ -270,7 +270,9 @@ def scores(
     kt = k.reshape(B * Hkv, m, E).mT  # (B*Hkv, E, m)
     grad = _grad(q, k)
     if alpha == 0:  # (BLAS may skip the product for alpha 0: keep inf * 0 = NaN)
-        s = torch.bmm(folded, kt) * 0.0
+        s = torch.bmm(folded, kt).mul_(0.0)
+        if out is not None and not grad:
+            s = out.view(B * Hkv, g * n, m).copy_(s)
     else:
         into = None if out is None or grad else out.view(B * Hkv, g * n, m)
         if minus is not None and cap is None:  # C = -minus, broadcast over the keys

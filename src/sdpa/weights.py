@@ -637,16 +637,17 @@ def _triton_logits(w: AttentionWeights) -> torch.Tensor:
 def _triton_received_serves(w: AttentionWeights) -> bool:
     """The received kernel's float32 subtraction s - lse loses digits past
     kernel_lse_limit (a huge finite bias): those calls go to the rows engine. On CPU
-    that is read from the LSE; on a GPU it is decided from the mask's type, never read
-    (no host sync): a float mask, which can hold such biases (-1e9, finfo.min), goes to
-    the rows engine; without one only scores past the limit could (|q.k| * scale >
-    1024), where the kernel's error eps * |lse| is that of the float32 scores."""
+    that is read from the LSE (_lse_within); on a GPU it is decided from the mask's
+    type, never read (no host sync): a float mask, which can hold such biases (-1e9,
+    finfo.min), goes to the rows engine; without one only scores past the limit could
+    (|q.k| * scale > 1024), where the kernel's error eps * |lse| is that of the float32
+    scores, and a NaN row (a NaN or +inf score) makes every sum of its head NaN, as the
+    listing's sum over the queries does."""
     if not _triton_serves(w):
         return False
     i = w._inputs
     if i.query.is_cpu:
-        limit = settings.get().kernel_lse_limit
-        return not bool((w._log_sum_exp().abs() > limit).any())
+        return _lse_within(w, settings.get().kernel_lse_limit)
     return not (isinstance(i.mask, torch.Tensor) and i.mask.is_floating_point())
 
 
@@ -679,8 +680,15 @@ def _fused_received_serves(w: AttentionWeights) -> bool:
         and i.sinks is None
         and i.scale != 0
         and i.query.is_cpu  # (the rule below reads the LSE on the host: a sync elsewhere)
-        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
+        and _lse_within(w, settings.get().fold_lse_limit)
     )
+
+
+def _lse_within(w: AttentionWeights, limit: float) -> bool:
+    """Every row's LSE finite and within +-limit (a NaN LSE marks a row the listing
+    makes NaN: only the rows engine keeps such rows apart). Reads the host."""
+    lse = w._log_sum_exp()
+    return bool((lse.abs() <= limit).all())
 
 
 def _fused_received(w: AttentionWeights) -> torch.Tensor | None:
@@ -735,7 +743,7 @@ def _fused_entropy_serves(w: AttentionWeights) -> bool:
         and i.sinks is None
         and i.key.is_cpu  # (the checks below read the host)
         and bool(torch.isfinite(i.key).all())
-        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
+        and _lse_within(w, settings.get().fold_lse_limit)
     )
 
 
