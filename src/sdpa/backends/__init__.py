@@ -28,7 +28,7 @@ def select_fast(inputs: Inputs) -> Backend:
     mask gradient; CPU or CUDA), decided in O(1): on CPU small where it fits, else fused
     (where this torch lacks the fused CPU op, `select` decides); on CUDA fused, once its
     `not_supported_reasons` (a few attribute reads) say it runs them, else `select`."""
-    if inputs.query.is_cpu:
+    if inputs[0].is_cpu:  # (the query)
         if fits(inputs):
             return _SMALL
         if aten.CPU_FLASH is None:
