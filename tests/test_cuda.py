@@ -62,6 +62,28 @@ def test_cuda_glue_takes_a_bool_mask_as_it_is(gen, forced_math, mask_kind, causa
     assert (lse[dead] == 0).all() and (out[dead] == 0).all()
 
 
+def _naive_kernel(q, k, v, bias, causal, scale):
+    """A kernel that does nothing for a row that sees no key: softmax of -inf is NaN."""
+    s = (q @ k.mT) * scale + (0 if bias is None else bias)
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def test_cuda_glue_keeps_a_kernels_nan_out_of_rows_that_see_no_key(gen, monkeypatch):
+    """Such rows run unmasked (bias 0) and are zeroed after the op, so whatever the op
+    does with an empty row, no NaN reaches the output, the LSE or the gradients."""
+    monkeypatch.setattr(cuda, "choice", lambda *args: cuda.EFFICIENT)
+    monkeypatch.setitem(cuda._RUN, cuda.EFFICIENT, _naive_kernel)
+    q, k, v, mask = make_inputs(gen, L=12, S=10, mask_kind="dead_rows")
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out, lse = cuda.kernel(q, k, v, mask, False, 0.25)
+    out.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    oracle(*ref, mask, scale=0.25)[0].sum().backward()
+    assert torch.isfinite(lse).all()
+    for ours, theirs in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-10, rtol=0)
+
+
 def test_cuda_glue_asks_torch_once_per_shape_class(gen, monkeypatch):
     """torch's choice is cached by what decides it (not the lengths): one question for
     the steps of a decoding loop, one more for another dtype or for causality."""
