@@ -46,6 +46,61 @@ def test_cuda_glue_math_path_matches_the_oracle(gen, forced_math, mask_kind, cau
     assert lse.shape == (2, 4, 9) and (lse[dead] == 0).all() and (out[dead] == 0).all()
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "dead_rows", "key_padding", "2d"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_glue_takes_a_bool_mask_as_it_is(gen, forced_math, mask_kind, causal):
+    """The glue folds a bool keep-mask (and causality) into the bias itself: the same
+    output and LSE as its additive form, rows that see no key 0."""
+    q, k, v, mask = make_inputs(gen, Hq=4, Hkv=2, L=9, S=9 if causal else 14, mask_kind=mask_kind)
+    out, lse = cuda.kernel(q, k, v, mask, causal, 0.3)
+    out_f, lse_f = cuda.kernel(q, k, v, _float_bias(mask, q.dtype), causal, 0.3)
+    torch.testing.assert_close(out, out_f, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lse, lse_f, atol=1e-6, rtol=0)
+    ref_out, ref_p = oracle(q, k, v, mask, causal=causal, scale=0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    dead = ref_p.sum(-1) == 0
+    assert (lse[dead] == 0).all() and (out[dead] == 0).all()
+
+
+def _naive_kernel(q, k, v, bias, causal, scale):
+    """A kernel that does nothing for a row that sees no key: softmax of -inf is NaN."""
+    s = (q @ k.mT) * scale + (0 if bias is None else bias)
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def test_cuda_glue_keeps_a_kernels_nan_out_of_rows_that_see_no_key(gen, monkeypatch):
+    """Such rows run unmasked (bias 0) and are zeroed after the op, so whatever the op
+    does with an empty row, no NaN reaches the output, the LSE or the gradients."""
+    monkeypatch.setattr(cuda, "choice", lambda *args: cuda.EFFICIENT)
+    monkeypatch.setitem(cuda._RUN, cuda.EFFICIENT, _naive_kernel)
+    q, k, v, mask = make_inputs(gen, L=12, S=10, mask_kind="dead_rows")
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out, lse = cuda.kernel(q, k, v, mask, False, 0.25)
+    out.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    oracle(*ref, mask, scale=0.25)[0].sum().backward()
+    assert torch.isfinite(lse).all()
+    for ours, theirs in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-10, rtol=0)
+
+
+def test_cuda_glue_asks_torch_once_per_shape_class(gen, monkeypatch):
+    """torch's choice is cached by what decides it (not the lengths): one question for
+    the steps of a decoding loop, one more for another dtype or for causality."""
+    asked = []
+    monkeypatch.setattr(cuda, "choice", lambda *args: asked.append(args[0].dtype) or cuda.MATH)
+    q, k, v, _ = make_inputs(gen, Hq=4, Hkv=2, L=1, S=30)
+    cuda.kernel(q, k, v, None, False, 0.3)
+    first = len(asked)  # (the math path asks again with the key heads repeated: 2)
+    assert 1 <= first <= 2
+    for S in (31, 32, 33):
+        q, k, v, _ = make_inputs(gen, Hq=4, Hkv=2, L=1, S=S)
+        cuda.kernel(q, k, v, None, False, 0.3)
+    assert len(asked) == first
+    cuda.kernel(q.double(), k.double(), v.double(), None, False, 0.3)
+    assert len(asked) > first
+
+
 def test_cuda_glue_folds_top_left_causal_for_l_not_s(gen, forced_math):
     q, k, v, _ = make_inputs(gen, L=5, S=8)
     out, _ = cuda.kernel(q, k, v, None, True, 0.25)

@@ -23,6 +23,9 @@ class AttentionResult(NamedTuple):
     weights: AttentionWeights  # lazy (..., L, S)
 
 
+_result = tuple.__new__  # AttentionResult(out, w) without the NamedTuple's keyword handling
+
+
 _FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("sdpa_frozen", default=False)
 # How many sdpa.frozen() blocks are open, in any thread: a plain int read on every call
 # (torch.compile guards on it); only when it is not 0 is the ContextVar read.
@@ -138,6 +141,14 @@ def attention(
     Equivalent to (up to rounding, without materialising the scores):
         s = query @ key.mT * scale + bias(mask); p = softmax(s); out = dropout(p) @ value
     """
+    if backend == "auto" and not _frozen_blocks:  # the lean entry: _compute's fast lane
+        inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p)
+        if inputs is not None:
+            impl = select_fast(inputs)
+            out, lse, p = impl.run(inputs)
+            return _result(
+                AttentionResult, (out, AttentionWeights(inputs, lse, p, impl))
+            )
     inputs, out, lse, p, impl = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
     frozen_call = bool(_frozen_blocks) and _frozen_here() and _wanted_grad(query, key, mask)
     return AttentionResult(

@@ -597,7 +597,19 @@ _SQRT = {n: 1.0 / math.sqrt(n) for n in range(1, 1025)}  # default scales, no ca
 _is_compiling = torch.compiler.is_compiling
 
 
-_autocast_on = torch.is_autocast_enabled
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+)
+
+
+_TENSOR = torch.Tensor
+# FakeTensor (torch._subclasses, imported by torch itself) is a plain tensor to
+# `normalize` too: shapes without data, as under FakeTensorMode (CUDA ones on a
+# CPU-only machine: how the tests hold the CUDA lane to `normalize`)
+_FAKE = getattr(getattr(torch, "_subclasses", None), "FakeTensor", _TENSOR)
+
+
+_new_inputs = tuple.__new__  # Inputs(...) without the NamedTuple's keyword handling
 
 
 def fast_normalize(
@@ -614,27 +626,29 @@ def fast_normalize(
     None: then `normalize` validates (and names what is wrong).
 
     Takes plain 4-D tensors q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) of one
-    float dtype on one CPU or CUDA device, Hkv dividing Hq (only Hkv == Hq without gqa),
-    every size > 0; mask None or a plain 4-D tensor on that device, bool or float in the
-    input or softmax dtype (not requiring grad), shaped (B|1, Hq|1, L|1, S); causal a
-    bool (L == S if True); scale None or a finite float; dropout_p 0.0; autocast off;
-    not while torch.compile traces. Returns exactly what `normalize` returns for them
-    (a test holds the two equal).
+    float dtype on one CPU or CUDA device (fake ones too: torch._subclasses.FakeTensor),
+    Hkv dividing Hq (only Hkv == Hq without gqa), every size > 0; mask None or a plain
+    4-D tensor on that device, bool or float in the input or softmax dtype (not
+    requiring grad), shaped (B|1, Hq|1, L|1, S); causal a bool (L == S if True); scale
+    None or a finite float; dropout_p 0.0; autocast off; not while torch.compile traces.
+    Returns exactly what `normalize` returns for them (tests/test_fast_path.py holds the
+    two equal, field by field, across this domain and its edges).
     """
+    cls = query.__class__
     if (
-        query.__class__ is not torch.Tensor
-        or key.__class__ is not torch.Tensor
-        or value.__class__ is not torch.Tensor
+        (cls is not _TENSOR and cls is not _FAKE)
+        or key.__class__ is not cls
+        or value.__class__ is not cls
         or dropout_p.__class__ is not float
         or dropout_p != 0.0
+        or _any_autocast()  # (any device: the lane then leaves it to normalize)
         or _is_compiling()
     ):
         return None
-    try:  # a strided nested tensor has no .shape: it raises here
-        qs, ks, vs = query.shape, key.shape, value.shape
-        B, Hq, L, E = qs
-        B_k, Hkv, S, E_k = ks
-        B_v, Hkv_v, S_v, Ev = vs
+    try:  # a strided nested tensor has no size: it raises here
+        B, Hq, L, E = query.size()
+        B_k, Hkv, S, E_k = key.size()
+        B_v, Hkv_v, S_v, Ev = value.size()
     except (RuntimeError, ValueError):  # nested, or not 4-D
         return None
     dtype = query.dtype
@@ -642,20 +656,17 @@ def fast_normalize(
         B_k != B or B_v != B or E_k != E or Hkv_v != Hkv or S_v != S
         or not (B and Hkv and L and S and E and Ev) or Hq % Hkv
         or (Hkv != Hq and not gqa)
-        or dtype not in _FLOATS or key.dtype is not dtype or value.dtype is not dtype
+        or key.dtype is not dtype or value.dtype is not dtype or dtype not in _FLOATS
     ):  # fmt: skip
         return None
     on_cpu = query.is_cpu
     if on_cpu:
-        if not (key.is_cpu and value.is_cpu) or _autocast_on("cpu"):
+        if not (key.is_cpu and value.is_cpu):
             return None
-    elif (
-        not query.is_cuda
-        or key.device != query.device
-        or value.device != query.device
-        or _autocast_on("cuda")
-    ):
-        return None
+    else:
+        device = query.device
+        if device.type != "cuda" or key.device != device or value.device != device:
+            return None
     if causal is not False and (causal is not True or L != S):
         return None
     if scale is None:
@@ -663,16 +674,16 @@ def fast_normalize(
     elif scale.__class__ is not float or not math.isfinite(scale):
         return None
     if mask is not None:
-        if mask.__class__ is not torch.Tensor:
+        if mask.__class__ is not cls:
             return None
         try:
-            mb, mh, ml, ms = mask.shape
+            mb, mh, ml, ms = mask.size()
         except (RuntimeError, ValueError):
             return None
         md = mask.dtype
         if (
             (mb != B and mb != 1) or (mh != Hq and mh != 1) or (ml != L and ml != 1)
-            or ms != S or not (mask.is_cpu if on_cpu else mask.device == query.device)
+            or ms != S or not (mask.is_cpu if on_cpu else mask.device == device)
         ):  # fmt: skip
             return None
         if md is not torch.bool and (
@@ -681,7 +692,7 @@ def fast_normalize(
             return None
         if ml != L:
             mask = mask.expand(mb, mh, L, S)
-    return Inputs(query, key, value, mask, causal, scale, 0.0, (B, Hq))
+    return _new_inputs(Inputs, (query, key, value, mask, causal, scale, 0.0, (B, Hq), None, None))
 
 
 # -- for the engines ---------------------------------------------------------------------

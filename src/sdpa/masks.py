@@ -22,6 +22,7 @@ from sdpa.errors import SdpaTypeError, SdpaValueError
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # block occupancy
 ALIGNS = ("bottom-right", "top-left")
+Spans = list[list[tuple[int, int, bool]]]  # (Bm, nQ) of (lo, hi, partial): Mask.spans
 
 
 def visible(i: torch.Tensor, j: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -73,6 +74,19 @@ class Mask:
         k_ids are sorted and hold the same ids, else sound; & and | are sound."""
         keep = self.materialize(L, S, max_bytes=None).reshape(self.batch or 1, L, S)  # (Bm, L, S)
         return occupancy(keep, bq, bk)
+
+    def spans(self, L: int, S: int, bq: int, bk: int) -> Spans | None:
+        """The block plan's view of `blocks`, from the host alone: for each batch element
+        (Bm) and query block of bq rows, (lo, hi, partial): the key blocks lo <= j < hi
+        of bk keys hold every key the block sees (lo == hi: none), and partial says
+        whether any of them is PARTIAL (else all are FULL). O(Bm x nQ) Python, reading
+        no tensor that lives on a device, so a GPU call plans without a host sync.
+
+        None where that cannot be had: the mask's data (lengths, ids) is on a device, or
+        the keys a query block sees need not be one span (documents, `|`). Exact for
+        causal and sliding_window (the same plan as `blocks`), and for padding with
+        lengths on the CPU; `&` is sound (partial where either side is)."""
+        return None
 
     def keep_pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor, L: int, S: int) -> torch.Tensor:
         """(Bm, P) bool: whether query position q_pos[p] sees key position k_pos[p], for
@@ -204,6 +218,24 @@ class _Band(Mask):
         out[empty] = EMPTY
         return out[None]
 
+    def spans(self, L, S, bq, bk):
+        """Exact, as `blocks` in closed form: a block's positions [p_lo, p_hi] see keys
+        [p_lo - size + 1, p_hi] (from 0 without a window), and its span is FULL when the
+        last key of the span is at most p_lo and its first is past p_hi - size."""
+        off, size = _offset(self.align, L, S), self.size
+        row = []
+        for q0 in range(0, L, bq):
+            p_lo, p_hi = q0 + off, min(L, q0 + bq) - 1 + off
+            first = 0 if size is None else max(0, p_lo - size + 1)
+            last = min(S - 1, p_hi)
+            if last < first:
+                row.append((0, 0, False))
+                continue
+            lo, hi = first // bk, last // bk + 1
+            full = min(S, hi * bk) - 1 <= p_lo and (size is None or lo * bk > p_hi - size)
+            row.append((lo, hi, not full))
+        return [row]
+
     def __repr__(self):
         size = "" if self.size is None else f"{self.size}, "
         return f"masks.{self._name}({size}align={self.align!r})"
@@ -249,7 +281,7 @@ class _Padding(Mask):
         self.batch = len(lengths)
 
     def keep(self, q_pos, k_pos, L, S):
-        lengths = self.lengths.to(k_pos.device)
+        lengths = self.lengths.to(k_pos.device, non_blocking=True)  # (a host copy: no sync)
         keep = k_pos[None, None, :] < lengths[:, None, None]  # (B, 1, c)
         return keep.expand(self.batch, len(q_pos), len(k_pos))
 
@@ -263,7 +295,23 @@ class _Padding(Mask):
         out[k0[None, :] >= n] = EMPTY
         return out[:, None, :].expand(self.batch, -(-L // bq), len(k0))
 
-    def __repr__(self):
+    def spans(self, L, S, bq, bk):
+        """Exact, from lengths on the CPU (None for lengths on a device: reading them
+        would sync): element b sees key blocks [0, ceil(n_b / bk)), the last PARTIAL
+        unless it ends at n_b."""
+        if not self.lengths.is_cpu:
+            return None
+        nQ = -(-L // bq)
+        out = []
+        for n in self.lengths.tolist():  # (a host read of a CPU tensor)
+            n = min(n, S)
+            span = (0, -(-n // bk), min(S, -(-n // bk) * bk) > n) if n > 0 else (0, 0, False)
+            out.append([span] * nQ)
+        return out
+
+    def __repr__(self):  # (lengths on a device are not read: a repr must not sync)
+        if not self.lengths.is_cpu:
+            return f"masks.padding(<{self.batch} lengths on {self.lengths.device}>)"
         return f"masks.padding({self.lengths.tolist()})"
 
 
@@ -279,8 +327,13 @@ def padding(lengths: torch.Tensor | list[int]) -> Mask:
             f"lengths must be a 1-D integer tensor or list (one length per batch element), "
             f"got shape {tuple(lengths.shape)}; e.g. padding([5, 3])"
         )
-    if (lengths < 0).any():
-        raise SdpaValueError(f"lengths must be non-negative, one per batch element, got {lengths}")
+    if lengths.is_cpu:
+        if (lengths < 0).any():
+            raise SdpaValueError(
+                f"lengths must be non-negative, one per batch element, got {lengths}"
+            )
+    else:  # checked on the device (reading it here would sync the host)
+        torch._assert_async((lengths >= 0).all(), "sdpa.masks.padding: lengths must be >= 0")
     return _Padding(lengths.long())
 
 
@@ -319,8 +372,8 @@ class _Documents(Mask):
 
     def keep(self, q_pos, k_pos, L, S):
         q_ids, k_ids = self._ids(L, S)
-        q = q_ids.to(q_pos.device)[:, q_pos]  # (Bm, r)
-        k = k_ids.to(k_pos.device)[:, k_pos]  # (Bm, c)
+        q = q_ids.to(q_pos.device, non_blocking=True)[:, q_pos]  # (Bm, r)
+        k = k_ids.to(k_pos.device, non_blocking=True)[:, k_pos]  # (Bm, c)
         return q[:, :, None] == k[:, None, :]
 
     def blocks(self, L, S, bq, bk):
@@ -388,6 +441,15 @@ class _Combined(Mask):
         a, b = self.a.keep(q_pos, k_pos, L, S), self.b.keep(q_pos, k_pos, L, S)
         return (a & b) if self.op == "and" else (a | b)
 
+    def spans(self, L, S, bq, bk):
+        """&: each side's span intersected, partial where either side is (sound); | has
+        none (its keys need not be one span)."""
+        if self.op != "and":
+            return None
+        a = self.a.spans(L, S, bq, bk)
+        b = None if a is None else self.b.spans(L, S, bq, bk)
+        return None if b is None else and_spans(a, b)
+
     def blocks(self, L, S, bq, bk):
         """Sound, not exact: & takes the smaller occupancy (EMPTY < PARTIAL < FULL), | the
         larger; two PARTIAL children stay PARTIAL even where their Trues never meet (&,
@@ -397,6 +459,20 @@ class _Combined(Mask):
 
     def __repr__(self):
         return f"({self.a!r} {'&' if self.op == 'and' else '|'} {self.b!r})"
+
+
+def and_spans(a: Spans, b: Spans) -> Spans:
+    """The spans of two masks ANDed (batch lists of length Bm or 1 broadcast): the
+    intersection of the key blocks each query block sees, partial where either is."""
+    out = []
+    a, b = a * (len(b) if len(a) == 1 else 1), b * (len(a) if len(b) == 1 else 1)
+    for ra, rb in zip(a, b, strict=True):
+        row = []
+        for (lo_a, hi_a, part_a), (lo_b, hi_b, part_b) in zip(ra, rb, strict=True):
+            lo, hi = max(lo_a, lo_b), min(hi_a, hi_b)
+            row.append((lo, hi, part_a or part_b) if lo < hi else (0, 0, False))
+        out.append(row)
+    return out
 
 
 def occupancy(keep: torch.Tensor, bq: int, bk: int) -> torch.Tensor:

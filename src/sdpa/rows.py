@@ -187,16 +187,23 @@ def weights(r: Rows, t: Tile, out: torch.Tensor | None = None) -> torch.Tensor:
 
 def _inexact(lse: torch.Tensor) -> bool:
     """Whether complete rows with this LSE take the row max as their shift (|lse| past
-    the settings' exact_lse_limit: its float32 value has lost digits). On CUDA every
-    tile does (no host sync to decide)."""
+    the settings' exact_lse_limit: its float32 value has lost digits). On CPU read from
+    the LSE (one host read per tile, which pays: the folded product saves a pass over
+    the tile); off CPU every tile does, decided without reading the device (no sync)."""
     if not lse.is_cpu:
         return True
     return bool((lse.abs() > settings.get().exact_lse_limit).any())
 
 
 def needs_every_key(lse: torch.Tensor) -> bool:
-    """Whether rows with this LSE are read whole (see _inexact): a selection of keys
-    cannot normalise them."""
+    """Whether a selection of keys of rows with this LSE is read from their whole rows
+    (see _inexact: a selection of keys cannot normalise them). On CPU read from the
+    LSE. Off CPU never (reading the LSE would sync the host, and whole rows of a key
+    column are L x S): there a selection of keys is exp(s - lse), within eps * |lse|
+    of each weight (rows with |lse| past exact_lse_limit lose those digits; read their
+    rows whole, w[..., i, :], to have them normalised exactly)."""
+    if not lse.is_cpu:
+        return False
     return bool((lse.abs() > settings.get().exact_lse_limit).any())
 
 

@@ -351,8 +351,10 @@ def finish(
     (log p, lse) with log=True (-inf where a key is excluded). The edge convention of
     the module docstring. sinks (B, H, n|1): one more logit per row whose value is 0.
 
-    lse=False (and no sinks, no log): torch's softmax, then a check of each row's first
-    weight finds the rare rows to repair (CPU: the check is a read of one column).
+    lse=False (and no sinks, no log), on CPU: torch's softmax, then one host read of the
+    sum of each row's first weight finds the rare rows to repair (it pays there: one
+    reduction of one column, against a pass over the tile); elsewhere the path below,
+    which reads nothing on the host.
     Otherwise the row max first, then exp, sum and log; in place without autograd.
     Differentiable in s and sinks; the LSE is returned detached."""
     grad = _grad(s, sinks)
@@ -363,9 +365,12 @@ def finish(
         return s, row_lse
     if not lse and sinks is None and not log and s.is_cpu:
         p = torch.softmax(s, dim=-1)
-        odd = torch.isnan(p[..., :1])  # a NaN row: it sees no key, or has a NaN / +inf score
-        if not bool(odd.any()):
+        # one host read (CPU only; cheaper than a pass to find them): the first column's
+        # sum is NaN where a row sees no key or has a NaN score
+        first = float((p.detach() if grad else p).select(-1, 0).sum())
+        if first == first:
             return p, None
+        odd = torch.isnan(p[..., :1])
         dead = odd & torch.isneginf(s.detach().amax(dim=-1, keepdim=True))
         if grad:  # softmax of a row of -inf has a NaN gradient: recompute it filled
             return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0), None

@@ -632,8 +632,19 @@ def _triton_logits(w: AttentionWeights) -> torch.Tensor:
 
 def _triton_received_serves(w: AttentionWeights) -> bool:
     """The received kernel's float32 subtraction s - lse loses digits past
-    kernel_lse_limit (a huge finite bias): those calls go to the rows engine."""
-    return _triton_serves(w) and _lse_within(w, settings.get().kernel_lse_limit)
+    kernel_lse_limit (a huge finite bias): those calls go to the rows engine. On CPU
+    that is read from the LSE (_lse_within); on a GPU it is decided from the mask's
+    type, never read (no host sync): a float mask, which can hold such biases (-1e9,
+    finfo.min), goes to the rows engine; without one only scores past the limit could
+    (|q.k| * scale > 1024), where the kernel's error eps * |lse| is that of the float32
+    scores, and a NaN row (a NaN or +inf score) makes every sum of its head NaN, as the
+    listing's sum over the queries does."""
+    if not _triton_serves(w):
+        return False
+    i = w._inputs
+    if i.query.is_cpu:
+        return _lse_within(w, settings.get().kernel_lse_limit)
+    return not (isinstance(i.mask, torch.Tensor) and i.mask.is_floating_point())
 
 
 def _triton_received(w: AttentionWeights) -> torch.Tensor:

@@ -25,13 +25,17 @@ _SMALL, _FUSED = BACKENDS["small"], BACKENDS["fused"]
 
 def select_fast(inputs: Inputs) -> Backend:
     """`select(inputs)` for inputs from `fast_normalize` (no dropout, softcap, sinks or
-    mask gradient; CPU or CUDA), which both small and fused can run: decided in O(1)
-    (where this torch lacks the fused CPU op, `select` decides)."""
-    if inputs.query.is_cpu:
+    mask gradient; CPU or CUDA), decided in O(1): on CPU small where it fits, else fused
+    (where this torch lacks the fused CPU op, `select` decides); on CUDA fused, once its
+    `not_supported_reasons` (a few attribute reads) say it runs them, else `select`."""
+    if inputs[0].is_cpu:  # (the query)
         if fits(inputs):
             return _SMALL
         if aten.CPU_FLASH is None:
             return select(inputs)
+        return _FUSED
+    if _FUSED.not_supported_reasons(inputs):
+        return select(inputs)
     return _FUSED
 
 

@@ -7,6 +7,11 @@ without a mask; otherwise the mask's slice for that span goes with it. Adjacent 
 blocks with the same span and kind are merged into one kernel call, so a mask without
 structure costs one call, as without this layer. Every query row is computed by exactly
 one call, so outputs, LSEs and gradients are exact with no merging step.
+
+On CPU the plan is read from the occupancy on the host (cheap there, and it pays). On a
+GPU nothing is read from device memory: a tensor mask goes to the kernel whole, and a
+structured mask is planned from its host-side spans (`masks.Mask.spans`) or, without
+them, materialised on the device and taken whole.
 """
 
 from __future__ import annotations
@@ -32,16 +37,67 @@ class Piece(NamedTuple):
     masked: bool  # False: every key in the span is visible to every query
 
 
-def whole(mask: torch.Tensor | masks.Mask | None, L: int) -> bool:
+def whole(mask: torch.Tensor | masks.Mask | None, L: int, on_cpu: bool = True) -> bool:
     """Whether the kernel takes the mask as it is, decided without reading it: no mask;
     a mask tensor over at most one query block (decoding, short texts), whose scan
-    would cost more than the keys it could skip; or a mask tensor while torch.compile
+    would cost more than the keys it could skip; a mask tensor on a GPU (its plan would
+    be read from device memory: a host sync); or a mask tensor while torch.compile
     traces (a plan read from data cannot live in a graph, and L is not guarded on)."""
     if mask is None:
         return True
     if not isinstance(mask, torch.Tensor):
         return False
-    return torch.compiler.is_compiling() or L <= BLOCK_Q
+    return not on_cpu or torch.compiler.is_compiling() or L <= BLOCK_Q
+
+
+def pieces(inputs: Inputs) -> list[Piece] | None:
+    """The kernel calls of a block plan for these inputs, or None where there is no
+    structure to use. On CPU from the block occupancy (`structure`, read on the host);
+    elsewhere from the masks' host-side spans (`masks.Mask.spans`: no tensor on the
+    device is read, no host sync), None where a mask has none (the kernel then takes the
+    mask whole)."""
+    L, S = inputs.query.shape[2], inputs.key.shape[2]
+    if inputs.query.is_cpu:
+        occ = structure(inputs)
+        return None if occ is None else plan(occ, L, S)
+    mask = inputs.mask
+    if torch.compiler.is_compiling() or not isinstance(mask, masks.Mask):
+        return None
+    spans = mask.spans(L, S, BLOCK_Q, BLOCK_K)
+    if spans is not None and inputs.causal:
+        spans = masks.and_spans(spans, masks.causal("top-left").spans(L, S, BLOCK_Q, BLOCK_K))
+    return None if spans is None else plan_spans(spans, L, S)
+
+
+def plan_spans(spans: masks.Spans, L: int, S: int) -> list[Piece]:
+    """Kernel calls covering every query row once, from a mask's spans (Bm, nQ): what
+    `plan` makes of the same occupancy (held equal by tests/test_no_sync.py)."""
+    calls = []
+    for b, row in enumerate(spans):
+        batch = slice(None) if len(spans) == 1 else slice(b, b + 1)
+        for qi, (lo, hi, partial) in enumerate(row):
+            q0, q1 = qi * BLOCK_Q, min(L, (qi + 1) * BLOCK_Q)
+            if hi <= lo:
+                calls.append((batch, q0, q1, 0, 0, False))  # sees no key: output 0
+            else:
+                calls.append((batch, q0, q1, lo * BLOCK_K, min(S, hi * BLOCK_K), partial))
+    return _merged(calls)
+
+
+def _merged(calls: list[tuple[slice, int, int, int, int, bool]]) -> list[Piece]:
+    """Pieces from calls in batch and row order: adjacent query blocks of one batch
+    element with the same span and kind become one call."""
+    out: list[Piece] = []
+    for batch, q0, q1, k0, k1, masked in calls:
+        last = out[-1] if out else None
+        if (
+            last is not None and last.batch == batch and last.q1 == q0
+            and (last.k0, last.k1, last.masked) == (k0, k1, masked)
+        ):  # fmt: skip
+            out[-1] = last._replace(q1=q1)
+        else:
+            out.append(Piece(batch, q0, q1, k0, k1, masked))
+    return out
 
 
 def structure(inputs: Inputs) -> torch.Tensor | None:
@@ -71,8 +127,9 @@ def structure(inputs: Inputs) -> torch.Tensor | None:
 
 
 def plan(occ: torch.Tensor, L: int, S: int) -> list[Piece]:
-    """Kernel calls covering every query row once, from the block occupancy (Bm, nQ, nK)."""
-    pieces: list[Piece] = []
+    """Kernel calls covering every query row once, from the block occupancy (Bm, nQ, nK)
+    (read on the host: a CPU plan)."""
+    calls = []
     occ = occ.cpu()
     for b in range(occ.shape[0]):
         batch = slice(None) if occ.shape[0] == 1 else slice(b, b + 1)
@@ -80,19 +137,12 @@ def plan(occ: torch.Tensor, L: int, S: int) -> list[Piece]:
             seen = (row != masks.EMPTY).nonzero()
             q0, q1 = qi * BLOCK_Q, min(L, (qi + 1) * BLOCK_Q)
             if len(seen) == 0:
-                k0 = k1 = 0  # sees no key: output 0
-                masked = False
+                calls.append((batch, q0, q1, 0, 0, False))  # sees no key: output 0
             else:
                 lo, hi = int(seen[0]), int(seen[-1])
-                k0, k1 = lo * BLOCK_K, min(S, (hi + 1) * BLOCK_K)
                 masked = bool((row[lo : hi + 1] != masks.FULL).any())
-            last = pieces[-1] if pieces else None
-            same = (last.k0, last.k1, last.masked) == (k0, k1, masked) if last else False
-            if last and last.batch == batch and last.q1 == q0 and same:
-                pieces[-1] = last._replace(q1=q1)
-            else:
-                pieces.append(Piece(batch, q0, q1, k0, k1, masked))
-    return pieces
+                calls.append((batch, q0, q1, lo * BLOCK_K, min(S, (hi + 1) * BLOCK_K), masked))
+    return _merged(calls)
 
 
 def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:

@@ -123,7 +123,8 @@ def _run_pieces(
         if p.k1 == p.k0:  # sees no key: the tile rule's convention
             out, lse = tile.no_keys(qp, v.shape[-1], sinks, inputs.compute_dtype)
         else:
-            mask = tile.additive(blocks.keep(inputs, p), q.dtype) if p.masked else None
+            mask = blocks.keep(inputs, p) if p.masked else None  # (bool: the CUDA glue's)
+            mask = tile.additive(mask, q.dtype) if q.is_cpu else mask
             kp, vp = k[p.batch, :, p.k0 : p.k1], v[p.batch, :, p.k0 : p.k1]
             out, lse = kernel(qp, kp, vp, mask, False, inputs.scale, sinks)
         groups.setdefault((p.batch.start, p.batch.stop), []).append((out, lse))
@@ -144,20 +145,20 @@ class Fused(Backend):
     name = "fused"
 
     def path(self, inputs: Inputs) -> str:
-        """The decisions of `forward`, in words (re-planned from the inputs)."""
-        op = "torch's CPU flash kernel" if inputs.query.is_cpu else "torch's fused CUDA op"
+        """The decisions of `run` and `forward`, in words (re-planned from the inputs)."""
+        on_cpu = inputs.query.is_cpu
+        op = "torch's CPU flash kernel" if on_cpu else "torch's fused CUDA op"
         sinks = ", sinks merged on top" if inputs.sinks is not None else ""
         if inputs.no_work:
             return "no score to compute: zeros"
         L, S = inputs.query.shape[2], inputs.key.shape[2]
-        if blocks.whole(inputs.mask, L):
+        if blocks.whole(inputs.mask, L, on_cpu):
             masked = " with the mask" if inputs.mask is not None else ""
             causal = " on its own causal path" if inputs.causal else ""
             return f"one call of {op}{masked}{causal}{sinks}"
         if inputs.causal_only:
             return f"one call of {op} on its own causal path{sinks}"
-        occ = blocks.structure(inputs)
-        pieces = None if occ is None else blocks.plan(occ, L, S)
+        pieces = blocks.pieces(inputs)
         if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
             return f"one call of {op} with the mask whole{sinks}"
         calls = sum(p.k1 > p.k0 for p in pieces)
@@ -165,7 +166,8 @@ class Fused(Backend):
 
     def not_supported_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
-        device = inputs.query.device.type
+        q = inputs.query  # (is_cpu / is_cuda: a tenth of device.type's time, asked per call)
+        device = "cpu" if q.is_cpu else "cuda" if q.is_cuda else q.device.type
         if device not in _KERNELS:
             reasons.append(f"inputs on {device} (the fused backend runs on: {', '.join(_KERNELS)})")
         elif device == "cpu" and (
@@ -209,50 +211,68 @@ class Fused(Backend):
         return reasons
 
     def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """forward, with the calls made most (CPU, no sinks, one head size, unit
-        strides, no mask or a mask over at most one query block) sent straight to the
-        kernel: decided from shapes, in about a microsecond."""
-        q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.mask
-        if q.is_cpu and inputs.sinks is None:
-            _, H, L, E = q.shape
-            if (
-                H.__class__ is int  # sizes known (not traced): the checks below are plain
-                and H and L and E and k.shape[2]
-                and E == v.shape[3]
-                and blocks.whole(mask, L)
-                and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
-            ):  # fmt: skip
-                if mask is not None:
-                    mask = tile.additive(mask, q.dtype)
-                out, lse = aten.CPU_FLASH(
-                    q, k, v, 0.0, inputs.causal, attn_mask=mask, scale=inputs.scale
-                )
-                return out, lse, None
+        """forward, with the calls made most (no sinks, one head size, unit last
+        strides; on CPU no mask or a mask over at most one query block, on CUDA no mask)
+        sent straight to the kernel, decided from shapes in well under a microsecond.
+
+        On CPU that is torch's own binding of the LSE-returning op, which costs what
+        F.scaled_dot_product_attention costs (0.96-1.00x at every decoding shape of
+        benchmarks/bench_decode.py; torch.ops' dispatch of the same op costs 1.2x), and
+        with a bool mask less (its additive form cached: 0.79-0.99x F.sdpa given the
+        bool mask, which converts it on every call): so the output never comes from
+        F.sdpa with the LSE left for later (docs/guide/gpu-lean-entry.md)."""
+        q, k, v, mask, causal, scale, _, _, _, sinks = inputs
+        if sinks is None:
+            B, H, L, E = q.size()
+            _, _, S, Ev = v.size()
+            if H.__class__ is int and H and L and E and S and E == Ev:  # sizes known
+                plain = (  # every size a plain int (is_contiguous would guard on a traced one)
+                    B.__class__ is int and L.__class__ is int and S.__class__ is int
+                    and E.__class__ is int and E > 1
+                )  # fmt: skip
+                if (plain and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or (
+                    q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
+                ):  # (unit last strides: read from contiguity where sizes are plain ints)
+                    if q.is_cpu:
+                        if mask is None:
+                            out, lse = aten.CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
+                            return out, lse, None
+                        if blocks.whole(mask, L):
+                            out, lse = aten.CPU_FLASH(
+                                q, k, v, 0.0, causal, attn_mask=tile.additive(mask, q.dtype),
+                                scale=scale,
+                            )  # fmt: skip
+                            return out, lse, None
+                    elif mask is None and E % cuda.HEAD_ALIGN == 0 and q.is_cuda:
+                        out, lse = cuda.kernel(q, k, v, None, causal, scale)
+                        return out, lse, None
         out, lse = self.forward(inputs)
         return out, lse, None
 
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         if inputs.no_work:  # torch's kernels crash on 0 heads, queries or keys
             return _REFERENCE.forward(inputs)  # nothing to compute: zeros, differentiable
-        kernel = _cpu_kernel if inputs.query.is_cpu else _KERNELS[inputs.query.device.type]
+        on_cpu = inputs.query.is_cpu
+        kernel = _cpu_kernel if on_cpu else _KERNELS[inputs.query.device.type]
         q, k, v = _prepare(inputs)
         Ev = inputs.value.shape[-1]
         mask = inputs.mask
         L, S = q.shape[2], k.shape[2]
-        if blocks.whole(mask, L):  # no block to skip: one call, causal or not
-            mask = tile.additive(mask, q.dtype)
+        if blocks.whole(mask, L, on_cpu):  # no block to skip: one call, causal or not
+            # (the CPU kernel takes a float mask, converted once and cached; the CUDA
+            # glue takes a bool mask as it is, with no cache keyed on device pointers)
+            mask = tile.additive(mask, q.dtype) if on_cpu else mask
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
             return (out if out.shape[-1] == Ev else out[..., :Ev]), lse
         if inputs.causal_only:
             out, lse = kernel(q, k, v, None, True, inputs.scale, inputs.sinks)  # its own causal
             return out[..., :Ev], lse
-        occ = blocks.structure(inputs)
-        pieces = None if occ is None else blocks.plan(occ, L, S)
+        pieces = blocks.pieces(inputs)
         if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
             # (a plan with no kernel call at all would cut the output from autograd)
             if isinstance(mask, masks.Mask):
                 mask = masks.as_4d(mask.materialize(L, S, q.device, max_bytes=None))
-            mask = tile.additive(mask, q.dtype)
+            mask = tile.additive(mask, q.dtype) if on_cpu else mask
             out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
         else:
             out, lse = _run_pieces(inputs, pieces, q, k, v, kernel)

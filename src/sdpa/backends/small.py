@@ -30,8 +30,8 @@ def fits(inputs: Inputs) -> bool:
     """Whether this backend should run `inputs`, from shapes alone: more than one query
     (a decode step's single row is faster in the fused kernel, and its weights cost one
     product when asked) and scores small enough."""
-    B, Hq, L, _ = inputs.query.shape
-    if known(L == 1):  # (first: decoding reads nothing more)
+    B, Hq, L, _ = inputs.query.size()
+    if L == 1 if L.__class__ is int else known(L == 1):  # (first: decoding reads no more)
         return False
     S = inputs.key.shape[2]
     s = settings.get()
