@@ -282,3 +282,24 @@ def test_the_distillation_example_learns_the_teachers_attention():
     losses = example.main(["--steps", "8"])
     assert len(losses) == 8 and losses[0] > 0.3
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_captured_statistics_under_frozen_patterns_refuse_and_handles_read_without_grad(name):
+    """Under sdpa.frozen() the patterns are constant: a statistic that a loss could use
+    refuses (as every read of frozen weights does) rather than come back detached; kept
+    handles read under no_grad, and max_logits (forward only) is computed."""
+    import sdpa
+
+    x = batch(16)
+    model = bert(name)
+    with pytest.raises(sdpa.NotSupportedError, match=r"sdpa\.frozen\(\)"), sdpa.frozen(), \
+            sdpa_hf.capture(model, stats="entropy"):  # fmt: skip
+        model(**x)
+    with sdpa.frozen(), sdpa_hf.capture(model, stats="max_logits", keep=True) as cap:
+        out = model(**x)
+    out.last_hidden_state.sum().backward()  # through the values only
+    assert model.encoder.layer[1].attention.self.query.weight.grad is None
+    assert model.encoder.layer[1].attention.self.value.weight.grad is not None
+    with torch.no_grad():
+        assert cap.weights[-1].entropy().shape == (2, 4, 16)
+    assert cap.max_logits[1][0].shape == (2, 4)
