@@ -640,18 +640,17 @@ def capture(
 
     stats: any of "received", "entropy", "last_row", "max_logits" (see Capture for
         shapes), computed from each call's fresh weights before the call returns: a
-        StaticCache writes
-        keys in place, after which lazy weights refuse to answer. received accumulates
-        in O(S) memory per layer over every call of the block (prefill and each decode
-        step: the H2O / kvpress "observed attention" score); it grows with a
-        DynamicCache (new keys start at 0), has the cache length with a StaticCache,
-        and is indexed by token position for sliding-window layers. Query rows that see
-        no key (left padding) have weights 0: they add nothing to received and have
-        entropy 0 (eager gives them uniform weights over every key). A block holds one
-        batch: a second generate in the same block adds to the same sums, token
-        position by token position. In training (grad enabled, parameters requiring
-        grad) received, entropy and last_row carry their gradients in O(L + S) memory
-        per layer; max_logits is forward only (it requires no grad). Under
+        StaticCache writes keys in place, after which lazy weights refuse to answer.
+        received accumulates in O(S) memory per layer over every call of the block
+        (prefill and each decode step: the H2O / kvpress "observed attention" score); it
+        grows with a DynamicCache (new keys start at 0), has the cache length with a
+        StaticCache, and is indexed by token position for sliding-window layers. Query
+        rows that see no key (left padding) have weights 0: they add nothing to received
+        and have entropy 0 (eager gives them uniform weights over every key). A block
+        holds one batch: a second generate in the same block adds to the same sums,
+        token position by token position. In training (grad enabled, parameters
+        requiring grad) received, entropy and last_row carry their gradients in O(L + S)
+        memory per layer; max_logits is forward only (it requires no grad). Under
         sdpa.frozen() with grad enabled they refuse, as every read of frozen weights
         does: keep=True and read the handles under torch.no_grad() instead.
     on_call: called as on_call(layer, weights) inside each attention call, before the
