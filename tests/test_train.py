@@ -161,11 +161,11 @@ def test_a_compiled_training_step_gives_eagers_gradients(gen, dynamo, read):
     strict=True,
     raises=torch._dynamo.exc.InternalTorchDynamoError,
     reason="core (rows.py): under torch.compile, where the rows engine tiles one head at a "
-    "time (a KL read at L >= 2048 with 8 heads at the default chunk_bytes; entropy "
-    "with a float mask), dynamo hands the tile loop's head index to a resume function "
-    "as a SymInt and fails on len(range(h, h + 1)) in rows.operands "
-    "(AsPythonConstantNotImplementedError); torch._dynamo.config.specialize_int = True "
-    "avoids it",
+    "time (H x L x S x 4 bytes over chunk_bytes, e.g. 8 heads at L >= 2048 by default) "
+    "for a KL read or an entropy with a float mask, dynamo hands the tile loop's head "
+    "index to a resume function as a SymInt and fails on len(range(h, h + 1)) in "
+    "rows.operands (AsPythonConstantNotImplementedError); "
+    "torch._dynamo.config.specialize_int = True avoids it",
 )
 @pytest.mark.parametrize("read", ["kl", "entropy_float_mask"])
 def test_a_compiled_step_whose_read_tiles_head_by_head(gen, dynamo, read):
