@@ -363,6 +363,7 @@ def finish(path: str, skipped: list[dict]) -> None:
     """Add the cases that did not fit and the acceptance figures to the JSON."""
     with open(path) as f:
         data = json.load(f)
+    data["lengths"] = list(LENGTHS)  # the layer cases' L (SDPA_BENCH_TRAIN_LENGTHS)
     data["does_not_fit"] = skipped
     data["acceptance"] = acceptance(data["results"])
     for s in skipped:
