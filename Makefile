@@ -22,7 +22,7 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
-	$(PIP) install -e '.[dev,plot,hf,gpu,viewers,diffusers,browser,docs]'
+	$(PIP) install -e '.[dev,plot,hf,gpu,viewers,diffusers,browser,docs,interp]'
 	touch $@
 
 $(KVENV)/.torch:
@@ -72,6 +72,7 @@ bench: $(VENV)/.dev $(KVENV)/.kvpress
 	$(PY) benchmarks/bench_ring.py --json benchmarks/results/ring.json
 	$(PY) benchmarks/bench_diffusers.py --json benchmarks/results/diffusers.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_view.py --json benchmarks/results/view.json
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_interp.py --json benchmarks/results/interp.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_train.py --json benchmarks/results/train.json
 	HF_HUB_OFFLINE=1 $(KVPY) benchmarks/bench_kvpress.py --json benchmarks/results/kvpress.json
 

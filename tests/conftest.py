@@ -1,4 +1,31 @@
-"""Fixtures: a fresh, reported seed per test, and inputs of every mask kind."""
+"""Fixtures: a fresh, reported seed per test, and inputs of every mask kind.
+
+Where a new test goes:
+- oracle.py is the one float64 reference; tolerances.py holds every tolerance and the
+  flash-attention rule (within_rule); engines.py the engines every oracle matrix runs
+  (ENGINES, run, refusal).
+- a rule of the tile rule (sdpa.tile: scale 0, rows that see no key, NaN, huge |lse|)
+  on every engine: test_rules.py; precision by the rule: test_precision.py.
+- outputs against the oracle: test_functional.py (backends, masks, sizes, GQA),
+  test_small.py (the small backend), test_dropin.py / test_torch_contract.py (the torch
+  drop-in), test_nested.py, test_empty.py, test_export.py (torch.export / compile).
+- a read of the weights: test_weights.py (rows, statistics, budget, staleness),
+  test_key_reads.py (key columns), test_pairs.py (pairs, diagonal); its gradient:
+  test_grads.py; issue 25's reproductions on the core: test_round_three.py.
+- masks: test_masks.py, test_mask_blocks.py (block occupancy held to keep); score mods:
+  test_score_mods.py; inputs and refusals: test_inputs.py; settings: test_settings.py.
+- the Triton kernels (interpreted here): test_triton.py; CUDA only: test_cuda.py
+  (marked `cuda`, skipped without a GPU); the device script: test_gpu_check.py.
+- integrations: test_transformers.py, test_captures.py, test_generation.py,
+  test_model_zoo.py (`zoo`), test_kvpress.py (`kvpress`, its own venv),
+  test_diffusers.py, test_diffusion_maps.py, test_prompt2prompt.py,
+  test_attend_excite.py, test_transformer_lens.py, test_nnsight.py, test_edits.py,
+  test_heads.py, test_viewers.py; modules: test_multihead.py, test_positional.py,
+  test_spatial.py; ring attention: test_distributed.py.
+- the command and the viewer: test_cli.py, test_view.py, test_view_load.py,
+  test_view_browser.py; docs and packaging: test_docs.py, test_docs_blocks.py,
+  test_layout_map.py, test_packaging.py.
+"""
 
 from __future__ import annotations
 

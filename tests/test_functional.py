@@ -33,6 +33,18 @@ def test_matches_oracle(gen, backend, mask_kind, E, Ev, L, S):
     check(out, w, *oracle(q, k, v, mask))
 
 
+@pytest.mark.small_shapes
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("E,Ev", [(16, 16), (59, 16)])
+@pytest.mark.parametrize("L,S", [(1, 1), (7, 9), (97, 130), (1, 130), (64, 64)])
+def test_matches_oracle_at_the_real_small_shape_thresholds(gen, mask_kind, E, Ev, L, S):
+    """The core matrix once more as users run it: the small backend and the one-product
+    weights at their real thresholds (the suite turns them off elsewhere)."""
+    q, k, v, mask = make_inputs(gen, L=L, S=S, E=E, Ev=Ev, mask_kind=mask_kind)
+    out, w = sdpa.attention(q, k, v, mask)
+    check(out, w, *oracle(q, k, v, mask))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "dead_rows"])
 @pytest.mark.parametrize("L", [1, 97])

@@ -42,7 +42,7 @@ def test_non_floating_inputs(qkv):
     q, k, v = qkv
     refuses(
         TypeError,
-        r"query must be a floating tensor .* got torch.int64",
+        r"query is a non-floating tensor \(torch.int64\).*cast q, k and v first",
         q.long(),
         k.long(),
         v.long(),

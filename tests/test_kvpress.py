@@ -229,19 +229,17 @@ def test_register_wraps_once_whatever_the_import_order(name):
         (2, 1, 1, 33, None, torch.float64),
     ],
 )
-def test_observed_attention_comes_from_one_fused_call(Hq, Hkv, L, S, mask, dtype):
-    """The sum ObservedAttentionPress asks for takes the swapped fused call on what a
-    Llama prefill passes, and equals the chunked engine's."""
-    from sdpa import rows
-
+def test_observed_attention_equals_the_dense_sum(Hq, Hkv, L, S, mask, dtype):
+    """The sum ObservedAttentionPress asks for, on what a Llama prefill passes, equals
+    the dense weights' sum over the queries."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, h, n, 40, generator=g).to(dtype)
                for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))  # fmt: skip
     m = sdpa.masks.causal("top-left") if mask == "causal" else None
     _, w = sdpa.attention(q, k, v, m, causal=mask == "causal flag")
-    got = sdpa.weights._fused_received(w)
-    assert got is not None and got.shape == (2, Hq, S) and got.dtype == w.dtype
-    torch.testing.assert_close(got, rows.key_sums(w._every_row()), atol=1e-5, rtol=1e-5)
+    got = w.sum(dim=-2)
+    assert got.shape == (2, Hq, S) and got.dtype == w.dtype
+    torch.testing.assert_close(got, w.full().sum(dim=-2), atol=1e-5, rtol=1e-5)
 
 
 def test_register_without_kvpress_says_what_to_install(monkeypatch):

@@ -9,9 +9,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "sdpa"
 CONTRIBUTING = ROOT / "CONTRIBUTING.md"
-# Named in the map before they land on this branch (the lead adds tile.py on main): may
-# be absent; once present they are checked like every other entry.
-PENDING = {"tile.py"}
 
 
 def parse_map(text: str) -> dict[str, str]:
@@ -55,11 +52,8 @@ def test_every_module_is_in_the_map_and_the_map_names_only_what_exists():
     entries = parse_map(CONTRIBUTING.read_text())
     missing = sorted(modules() - set(entries))
     assert not missing, f"CONTRIBUTING.md's layout map misses {missing}: add a line for each"
-    ghosts = sorted(
-        p for p in entries if not (PACKAGE / p).exists() and p not in PENDING
-    )  # fmt: skip
+    ghosts = sorted(p for p in entries if not (PACKAGE / p).exists())
     assert not ghosts, f"CONTRIBUTING.md's layout map names {ghosts}, which do not exist"
-    assert PENDING <= set(entries), f"{sorted(PENDING - set(entries))} left the map"
 
 
 def test_the_parser_reads_folders_and_refuses_a_bad_map(tmp_path):

@@ -30,8 +30,8 @@ from oracle import oracle
 
 def test_defaults_are_the_documented_values():
     s = settings.Settings()
-    assert s.chunk_bytes == 64 * 2**20 and s.mask_chunk_bytes == 16 * 2**20
-    assert (s.fold_lse_limit, s.exact_lse_limit, s.kernel_lse_limit) == (16.0, 32.0, 1024.0)
+    assert s.chunk_bytes == 4 * 2**20 and s.mask_chunk_bytes == 16 * 2**20
+    assert (s.exact_lse_limit, s.kernel_lse_limit) == (32.0, 1024.0)
     assert s.kernel_devices == frozenset({"cuda"})
     assert (s.small_weights, s.small_head, s.small_causal) == (2**21, 2**16, 2**14)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -90,11 +90,11 @@ def test_override_restores_on_error():
         ({"chunk_bytes": 2.5}, sdpa.SdpaTypeError, r"chunk_bytes must be an int >= 1.*float"),
         ({"small_weights": -1}, sdpa.SdpaValueError, r"small_weights must be an int >= 0"),
         ({"small_head": True}, sdpa.SdpaTypeError, r"small_head must be an int"),
-        ({"fold_lse_limit": 0}, sdpa.SdpaValueError, r"fold_lse_limit must be a finite number > 0"),
+        ({"exact_lse_limit": 0}, sdpa.SdpaValueError, r"exact_lse_limit must be a finite number"),
         ({"exact_lse_limit": float("inf")}, sdpa.SdpaValueError, r"exact_lse_limit .* got inf"),
         ({"kernel_devices": "cuda"}, sdpa.SdpaTypeError, r"kernel_devices must be a set"),
         ({"kernel_devices": {0}}, sdpa.SdpaTypeError, r"device type names \(str\)"),
-        ({"fold_lse_limit": "16"}, sdpa.SdpaTypeError, r"fold_lse_limit must be a finite"),
+        ({"exact_lse_limit": "16"}, sdpa.SdpaTypeError, r"exact_lse_limit must be a finite"),
     ],
 )
 def test_override_refuses_unknown_names_and_bad_values(changes, exc, pattern):

@@ -188,9 +188,9 @@ def test_kernels_refuse_heads_that_do_not_divide(gen):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """AttentionWeights uses the kernels on CPU; returns the names of the kernels run."""
-    import sdpa.kernels.received as received_mod
     import sdpa.kernels.entropy as entropy_mod
     import sdpa.kernels.logits as logits_mod
+    import sdpa.kernels.received as received_mod
 
     calls = []
 

@@ -36,8 +36,10 @@ def within_rule(
     return mine <= max(ratio * theirs, floor), mine, theirs
 
 
-def selection_atol(lse: torch.Tensor) -> float:
+def selection_atol(lse: torch.Tensor, raw: float = 0.0) -> float:
     """Reads of chosen keys or pairs cannot normalise their rows: p = exp(s - lse), whose
-    error is that of the score plus the LSE's rounding, about eps x (|s| + |lse|)."""
+    error is that of the score, computed twice (once for the LSE, once for the read),
+    plus the LSE's rounding: about eps x (|lse| + the largest |scale q . k| before any
+    softcap, `raw`)."""
     top = float(lse.abs().max()) if lse.numel() else 0.0
-    return 8 * EPS32 * max(2.0, top)
+    return 8 * EPS32 * max(2.0, top, raw)

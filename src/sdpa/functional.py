@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa.backends import BACKENDS, PRIORITY, Backend, select, select_fast
+from sdpa.backends import PRIORITY, Backend, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
@@ -21,14 +21,6 @@ class AttentionResult(NamedTuple):
 
     output: torch.Tensor  # (..., L, Ev)
     weights: AttentionWeights  # lazy (..., L, S)
-
-
-def fused_runner(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The fused backend on (B, H, L, D) inputs, or None where it can't run them: how
-    AttentionWeights computes some statistics with one more fused call."""
-    if BACKENDS["fused"].not_supported_reasons(inputs):
-        return None
-    return BACKENDS["fused"].forward(inputs)
 
 
 _FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("sdpa_frozen", default=False)
@@ -149,7 +141,7 @@ def attention(
     inputs, out, lse, p, impl = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
     frozen_call = bool(_frozen_blocks) and _frozen_here() and _wanted_grad(query, key, mask)
     return AttentionResult(
-        out, AttentionWeights(inputs, lse, fused_runner, p, impl, frozen=frozen_call)
+        out, AttentionWeights(inputs, lse, p, impl, frozen=frozen_call)
     )
 
 

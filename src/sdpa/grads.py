@@ -89,13 +89,10 @@ def backward(
         raw = tile.scores(q, k, scoring)  # (1, h, r, S), capped, before the mask
         s = tile.exclude(raw.clone() if scoring.softcap is not None else raw, window)
         shifted, c = tile.shift(s, lse_t, exact=True)
-        e = shifted.exp()
-        total = tile.normalizer(e, c, sinks_t)
+        e, total = tile.exponentiate(shifted, c, sinks_t, keep=True)
         p = e.div_(total)
-        logp = shifted.sub_(total.log())
-        p_sink = None
-        if sinks_t is not None:  # the sink's share of each row (1, h, r)
-            p_sink = (torch.exp(sinks_t[..., None] - c) / total)[..., 0]
+        logp = tile.log_weights(shifted, total)
+        p_sink = tile.sink_weight(sinks_t, c, total)  # (1, h, r) or None
         ds, dsink = rule(TileGrad(t, p, logp, p_sink), g)
         hs = slice(t.heads.start, t.heads.stop, t.heads.step)
         if dmask is not None:

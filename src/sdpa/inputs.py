@@ -283,11 +283,16 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
 # -- 3. dtypes and devices ---------------------------------------------------------------
 
 
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def _check_dtypes_devices(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    if not query.is_floating_point():
+    if query.dtype not in _DTYPES:
+        kind = "a float8 or other low-precision" if query.is_floating_point() else "a non-floating"
         raise SdpaTypeError(
-            f"query must be a floating tensor (float32, float64, bfloat16 or float16), "
-            f"got {query.dtype}"
+            f"query is {kind} tensor ({query.dtype}); sdpa computes in float32, float64, "
+            f"bfloat16 or float16: cast q, k and v first (e.g. q.to(torch.bfloat16)), as "
+            f"torch's scaled_dot_product_attention wants too"
         )
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise SdpaTypeError(

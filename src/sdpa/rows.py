@@ -28,6 +28,10 @@ from sdpa import masks, settings, tile
 from sdpa.inputs import Inputs, empty
 
 ALL = slice(None)
+# The reads run eagerly under torch.compile: their tile loops (a Python loop over tiles
+# with a host read to pick the shift) are not graph material, and dynamo would hand the
+# loop's indices to a resume function as symbolic ints.
+_eager = torch.compiler.disable
 
 
 class Rows(NamedTuple):
@@ -175,10 +179,10 @@ def weights(r: Rows, t: Tile, out: torch.Tensor | None = None) -> torch.Tensor:
     """p of a tile, (1, h, rows, keys), written into `out` when given: rows normalised by
     their own sum where the selection holds every key, else exp(s - lse)."""
     shifted, c, sinks = _shifted(r, t, out)
-    e = shifted.exp_()
     if not r.complete:
-        return e
-    return e.div_(tile.normalizer(e, c, sinks))
+        return tile.rebuild(shifted)  # exp(s - lse): the product subtracted the LSE
+    e, total = tile.exponentiate(shifted, c, sinks)
+    return e.div_(total)
 
 
 def _inexact(lse: torch.Tensor) -> bool:
@@ -215,6 +219,7 @@ def _each(r: Rows) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor, torch.Ten
         yield t, *_shifted(r, t, scratch[: math.prod(shape)].view(shape))
 
 
+@_eager
 def dense(r: Rows) -> torch.Tensor:
     """The weights of the selection, (B', H', n, m)."""
     if empty(*r.shape):
@@ -225,6 +230,7 @@ def dense(r: Rows) -> torch.Tensor:
     return out
 
 
+@_eager
 def key_sums(r: Rows) -> torch.Tensor:
     """Sum over the selection's rows (all keys): the attention each key receives,
     (B', H', S), the tiles' partial sums added in float64 on CPU."""
@@ -232,25 +238,25 @@ def key_sums(r: Rows) -> torch.Tensor:
     wide = torch.float64 if r.device.type == "cpu" else r.dtype  # tiles' partial sums
     out = torch.zeros(B, H, m, dtype=wide, device=r.device)
     for t, shifted, c, sinks in _each(r):
-        e = shifted.exp_()
-        p = e.div_(tile.normalizer(e, c, sinks))
-        out[t.at_b : t.at_b + 1, t.at_h] += p.sum(dim=-2)
+        e, total = tile.exponentiate(shifted, c, sinks)
+        out[t.at_b : t.at_b + 1, t.at_h] += e.div_(total).sum(dim=-2)
     return out.to(r.dtype)
 
 
+@_eager
 def entropy(r: Rows) -> torch.Tensor:
     """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
     B, H, n, _ = r.shape
     out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
     for t, shifted, c, sinks in _each(r):
-        e = shifted.exp()
-        total = tile.normalizer(e, c, sinks)
+        e, total = tile.exponentiate(shifted, c, sinks, keep=True)
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(
             shifted, e, total, sinks is not None
         )
     return out
 
 
+@_eager
 def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest weights of each row and their key indices, each (B', H', n, k): the
     top k of the shifted scores, exponentiated and normalised."""
@@ -259,20 +265,21 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.device)
     for t, shifted, c, sinks in _each(r):
         top, idx = shifted.topk(k, dim=-1)
-        total = tile.normalizer(shifted.exp_(), c, sinks)
-        values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = top.exp_().div_(total)
+        _, total = tile.exponentiate(shifted, c, sinks)
+        values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.weights_at(top, total)
         indices[t.at_b : t.at_b + 1, t.at_h, t.at_r] = idx
     return values, indices
 
 
+@_eager
 def amax(r: Rows) -> torch.Tensor:
     """Each row's largest weight, (B', H', n): exp(max t) / total."""
     B, H, n, _ = r.shape
     out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
     for t, shifted, c, sinks in _each(r):
         top = shifted.amax(dim=-1, keepdim=True)
-        total = tile.normalizer(shifted.exp_(), c, sinks)
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = top.exp_().div_(total)[..., 0]
+        _, total = tile.exponentiate(shifted, c, sinks)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.weights_at(top, total)[..., 0]
     return out
 
 
@@ -280,10 +287,11 @@ def log_weights(r: Rows, t: Tile) -> torch.Tensor:
     """log p of a tile of complete rows, (1, h, rows, S), normalised by each row's own
     sum: -inf where a key is excluded (every key of a row that sees none)."""
     shifted, c, sinks = _shifted(r, t, None)
-    total = tile.normalizer(shifted.exp(), c, sinks)
-    return shifted.sub_(total.log_())
+    _, total = tile.exponentiate(shifted, c, sinks, keep=True)
+    return tile.log_weights(shifted, total)
 
 
+@_eager
 def kl(r: Rows, other: Callable[[Tile], torch.Tensor], reverse: bool) -> torch.Tensor:
     """KL(Q || P) per row, (B', H', n), P the weights of `r` (every key), Q = exp of
     other(tile), the other side's log-weights on the same tile; with reverse, KL(P || Q).
@@ -296,31 +304,34 @@ def kl(r: Rows, other: Callable[[Tile], torch.Tensor], reverse: bool) -> torch.T
     return out
 
 
+@_eager
 def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
     """u^T P over the rows: u (B', H', F, n) -> (B', H', F, S), one tile at a time."""
     B, H, _, m = r.shape
     F = u.shape[2]
     out = torch.zeros(B, H, F, m, dtype=r.dtype, device=r.device)
     for t, shifted, c, sinks in _each(r):
-        e = shifted.exp_()
-        p = e.div_(tile.normalizer(e, c, sinks))  # (1, h, rows, S)
+        e, total = tile.exponentiate(shifted, c, sinks)
+        p = e.div_(total)  # (1, h, rows, S)
         ut = u[t.at_b : t.at_b + 1, t.at_h][..., t.at_r].to(r.dtype)  # (1, h, F, rows)
         out[t.at_b : t.at_b + 1, t.at_h] += torch.matmul(ut, p)
     return out
 
 
+@_eager
 def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     """d(u^T P)/du given the upstream g (B', H', F, S): g P^T, (B', H', F, n)."""
     B, H, n, _ = r.shape
     out = torch.empty(B, H, g.shape[2], n, dtype=r.dtype, device=r.device)
     for t, shifted, c, sinks in _each(r):
-        e = shifted.exp_()
-        p = e.div_(tile.normalizer(e, c, sinks))
+        e, total = tile.exponentiate(shifted, c, sinks)
+        p = e.div_(total)
         gt = g[t.at_b : t.at_b + 1, t.at_h].to(r.dtype)  # (1, h, F, S)
         out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, p.mT)
     return out
 
 
+@_eager
 def max_logits(r: Rows) -> torch.Tensor:
     """Each row's largest raw score (scale and float mask, no softcap), (B', H', n):
     -inf where a row sees no key."""
@@ -334,6 +345,7 @@ def max_logits(r: Rows) -> torch.Tensor:
     return out
 
 
+@_eager
 def pairs(inputs: Inputs, lse: torch.Tensor, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor:
     """The weights at P (query, key) pairs, (B, Hq, P): qi, kj (1|B, P) positions among
     the L queries and S keys, p = exp(s - lse) (a pair is a selection of one key)."""

@@ -12,8 +12,10 @@ rows engine and the backward of the reads, and ring attention's block math.
     exclude(s, window)            -inf where a key is excluded, a float mask added
     values(p, v)                  p v, grouped-query heads folded in
     finish(s, sinks)              probabilities and the LSE: the edge convention below
-    shift(s, lse), normalizer,    probabilities from an LSE computed elsewhere (or the
-    entropy_of, rebuild           row max), normalised by each row's own sum
+    shift, exponentiate,          probabilities from an LSE computed elsewhere (or the
+    weights_at, log_weights,      row max), normalised by each row's own sum, their
+    sink_weight, entropy_of,      logs, the sink's share, the entropy and KL of rows,
+    kl_of, rebuild                a selection of keys (rebuild)
     merge(a, b), add_sinks(...)   partial (out, lse) over disjoint keys, exactly
     no_keys(...)                  the result of rows that see no key
 
@@ -270,7 +272,9 @@ def scores(
     kt = k.reshape(B * Hkv, m, E).mT  # (B*Hkv, E, m)
     grad = _grad(q, k)
     if alpha == 0:  # (BLAS may skip the product for alpha 0: keep inf * 0 = NaN)
-        s = torch.bmm(folded, kt) * 0.0
+        s = torch.bmm(folded, kt).mul_(0.0)
+        if out is not None and not grad:
+            s = out.view(B * Hkv, g * n, m).copy_(s)
     else:
         into = None if out is None or grad else out.view(B * Hkv, g * n, m)
         if minus is not None and cap is None:  # C = -minus, broadcast over the keys
@@ -356,7 +360,7 @@ def finish(
         row_lse = s.new_zeros(s.shape[:-1])
         if sinks is not None:
             row_lse = torch.logaddexp(row_lse, sinks.detach().expand_as(row_lse))
-        return (s if not log else s - 0.0), row_lse
+        return s, row_lse
     if not lse and sinks is None and not log and s.is_cpu:
         p = torch.softmax(s, dim=-1)
         odd = torch.isnan(p[..., :1])  # a NaN row: it sees no key, or has a NaN / +inf score
@@ -412,6 +416,33 @@ def normalizer(e: torch.Tensor, c: torch.Tensor, sinks: torch.Tensor | None) -> 
     return total.masked_fill_(total == 0, 1.0)
 
 
+def exponentiate(
+    shifted: torch.Tensor, c: torch.Tensor, sinks: torch.Tensor | None, *, keep: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e = exp(s - c) of shifted scores (B, H, n, m), in place unless keep; the rows'
+    normaliser (B, H, n, 1), see `normalizer`): p = e / total."""
+    e = shifted.exp() if keep else shifted.exp_()
+    return e, normalizer(e, c, sinks)
+
+
+def weights_at(shifted: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The weights exp(t) / total of some shifted scores t (..., k) of rows whose
+    normaliser is total (..., 1) (the winners of a top-k, a row max), in place."""
+    return shifted.exp_().div_(total)
+
+
+def log_weights(shifted: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """log p = t - ln(total) of shifted scores t, in place: -inf where excluded."""
+    return shifted.sub_(total.log())
+
+
+def sink_weight(
+    sinks: torch.Tensor | None, c: torch.Tensor, total: torch.Tensor
+) -> torch.Tensor | None:
+    """The sink's weight exp(z - c) / total of each row, (B, H, n), or None."""
+    return None if sinks is None else (torch.exp(sinks[..., None] - c) / total)[..., 0]
+
+
 def entropy_of(
     t: torch.Tensor, e: torch.Tensor, total: torch.Tensor, sinks: bool = False
 ) -> torch.Tensor:
@@ -426,11 +457,11 @@ def entropy_of(
     return torch.log(total) * mass - et.sum(dim=-1) / total
 
 
-def rebuild(t: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def rebuild(t: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     """Weights of a selection of keys from an LSE computed elsewhere: p = exp(s - lse),
     in place on the scores t (B, H, n, m) (a selection cannot be normalised by its own
-    row sum). A NaN LSE gives a NaN row."""
-    return t.sub_(lse[..., None]).exp_()
+    row sum); lse None: t already holds s - lse. A NaN LSE gives a NaN row."""
+    return (t if lse is None else t.sub_(lse[..., None])).exp_()
 
 
 def kl_of(logp: torch.Tensor, logq: torch.Tensor, reverse: bool = False) -> torch.Tensor:

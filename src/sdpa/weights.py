@@ -10,11 +10,13 @@ Each read lists its providers in order, each with one eligibility rule (`PROVIDE
     held      the weights themselves, where the small backend kept them (or they are
               small enough to compute whole in one product)
     triton    a single-pass Triton kernel (CUDA with triton: settings.kernel_devices)
-    fused     one more fused call: the entropy as lse - scale * q . (P K), attention
-              received as the LSE of the call with queries and keys swapped
     rows      the rows engine, tile by tile: serves everything (the reference)
 
-The first provider whose rule holds answers; adding a read is one entry.
+The first provider whose rule holds answers; adding a read is one entry. (The fused
+identities of earlier versions, entropy = lse - scale q . (P K) and attention received
+as the LSE of a call with queries and keys swapped, are gone: their error grows like
+eps x |lse| where the listing's does not, and the rows engine on cache-sized tiles
+costs about as much.)
 """
 
 from __future__ import annotations
@@ -33,9 +35,6 @@ from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
 from sdpa.inputs import Inputs, check_flag, empty, no_autocast
-
-# Runs torch's fused kernel on normalised inputs -> (output, lse), or None where it can't.
-FusedRunner = Callable[[Inputs], "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
 def chunked_engine() -> contextlib.AbstractContextManager:
@@ -103,20 +102,18 @@ class AttentionWeights:
     call"), as sdpa.explain describes them.
     """
 
-    __slots__ = ("_backend", "_frozen", "_fused", "_inputs", "_lse", "_probs", "_versions")
+    __slots__ = ("_backend", "_frozen", "_inputs", "_lse", "_probs", "_versions")
 
     def __init__(
         self,
         inputs: Inputs,
         lse: torch.Tensor | None,
-        fused: FusedRunner | None = None,
         probs: torch.Tensor | None = None,
         backend: object = None,
         frozen: bool = False,
     ):
         self._inputs = inputs
         self._lse = lse if lse is None or not lse.requires_grad else lse.detach()  # (B, Hq, L)
-        self._fused = fused
         # (B, Hq, L, S), detached: the weights themselves where a backend computed them
         # (the small backend) or one product did (_held); never handed out uncopied
         self._probs = probs
@@ -241,8 +238,7 @@ class AttentionWeights:
 
     def _provide(self, read: str, *args: object, held: bool = True) -> object:
         """The answer of the first provider of `read` whose rule holds (the last, the
-        rows engine, always does; a fused provider may still find the kernel unable),
-        without autograd."""
+        rows engine, always does), without autograd."""
         with torch.no_grad(), no_autocast(self.device.type):
             for provider in PROVIDERS[read]:
                 if (held or provider.name != "held") and provider.serves(self):
@@ -637,8 +633,7 @@ def _triton_logits(w: AttentionWeights) -> torch.Tensor:
 def _triton_received_serves(w: AttentionWeights) -> bool:
     """The received kernel's float32 subtraction s - lse loses digits past
     kernel_lse_limit (a huge finite bias): those calls go to the rows engine."""
-    limit = settings.get().kernel_lse_limit
-    return _triton_serves(w) and not bool((w._log_sum_exp().abs() > limit).any())
+    return _triton_serves(w) and _lse_within(w, settings.get().kernel_lse_limit)
 
 
 def _triton_received(w: AttentionWeights) -> torch.Tensor:
@@ -649,92 +644,11 @@ def _triton_received(w: AttentionWeights) -> torch.Tensor:
     return received(q, k, w._log_sum_exp(), mask, causal=causal, scale=w._inputs.scale)
 
 
-def _fused_received_serves(w: AttentionWeights) -> bool:
-    """The swapped call serves where the fused kernel runs, without softcap or sinks, at
-    a non-zero scale, with no mask, the top-left causal one (L == S) or a tensor mask
-    that is the same for every query (key padding: its transpose is one column), and
-    |lse| <= fold_lse_limit (the folded column then keeps float32 error < 1e-5)."""
-    i = w._inputs
-    L, S = i.query.shape[2], i.key.shape[2]
-    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
-    per_key = mask is None or (  # key padding: the same row for every query
-        isinstance(mask, torch.Tensor) and (mask.shape[-2] == 1 or mask.stride(-2) == 0)
-    )
-    return (
-        w._fused is not None
-        and per_key
-        and not (causal and (L != S or mask is not None))
-        and i.softcap is None
-        and i.sinks is None
-        and i.scale != 0
-        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
-    )
-
-
-def _fused_received(w: AttentionWeights) -> torch.Tensor | None:
-    """Attention received per key (B, Hq, S) from one fused call with queries and keys
-    swapped: sum_i p_ij = exp(log sum_i exp(s_ij - lse_i)), the LSE of an attention
-    whose queries are the keys. With the LSE folded into one more column,
-    scale * [k_j, 1] . [q_i, -lse_i / scale] = scale * q_i . k_j - lse_i, so the swapped
-    call needs no bias beyond the mask's transpose; under top-left causality (key j is
-    seen by queries i >= j) both sequences are reversed and the kernel runs its own
-    causal path."""
-    i = w._inputs
-    L, S = i.query.shape[2], i.key.shape[2]
-    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
-    cd = i.compute_dtype
-    k = i.key.to(cd).repeat_interleave(i.group, dim=1)  # (B, Hq, S, E)
-    swapped_q = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)  # (B, Hq, S, E+1)
-    lse = (-w._log_sum_exp() / i.scale)[..., None].to(cd)  # (B, Hq, L, 1)
-    swapped_k = torch.cat([i.query.to(cd).expand(*lse.shape[:-1], -1), lse], dim=-1)
-    if causal:  # (B, Hq, L, E+1): reversed, key j sees swapped keys i >= j
-        swapped_q, swapped_k = swapped_q.flip(2), swapped_k.flip(2)
-    seen = None
-    if mask is not None:  # one row (B|1, Hq|1, 1, S), seen by the swapped queries
-        row = mask[..., :1, :]
-        seen = row[..., 0, :] if row.dtype == torch.bool else ~torch.isneginf(row[..., 0, :])
-        mask = row.transpose(-2, -1).expand(*row.shape[:-2], S, L)  # (B|1, Hq|1, S, L)
-    nothing = swapped_k.new_zeros(*swapped_k.shape[:-1], 1)  # only the LSE is read
-    ran = w._fused(
-        i._replace(
-            query=swapped_q, key=swapped_k, value=nothing, mask=mask, causal=causal,
-            dropout_p=0.0,
-        )
-    )  # fmt: skip
-    if ran is None:
-        return None
-    sums = ran[1].exp()  # (B, Hq, S)
-    if seen is not None:  # a key no query sees came back with the kernel's lse 0
-        sums = sums.masked_fill(~seen, 0.0)
-    return sums.flip(-1) if causal else sums
-
-
-def _fused_entropy_serves(w: AttentionWeights) -> bool:
-    """The identity H_i = lse_i - scale * q_i . (P K)_i needs rows summing to 1 and
-    sum_j p_ij s_ij = scale * q_i . (P K)_i: no additive mask, softcap or sinks; finite
-    keys (0 * inf in P K would make every row NaN); and |lse| <= fold_lse_limit (past
-    it the difference lse - scale q . PK cancels the entropy's digits)."""
-    i = w._inputs
-    additive = isinstance(i.mask, torch.Tensor) and i.mask.dtype != torch.bool
-    return (
-        w._fused is not None
-        and not additive
-        and i.softcap is None
-        and i.sinks is None
-        and i.key.is_cpu  # (the checks below read the host)
-        and bool(torch.isfinite(i.key).all())
-        and not bool((w._log_sum_exp().abs() > settings.get().fold_lse_limit).any())
-    )
-
-
-def _fused_entropy(w: AttentionWeights) -> torch.Tensor | None:
-    i = w._inputs
-    q, k = i.query.to(i.compute_dtype), i.key.to(i.compute_dtype)
-    ran = w._fused(i._replace(query=q, key=k, value=k, dropout_p=0.0))
-    if ran is None:
-        return None
-    pk, lse = ran  # (B, Hq, L, E), (B, Hq, L)
-    return lse - i.scale * (q * pk).sum(dim=-1)
+def _lse_within(w: AttentionWeights, limit: float) -> bool:
+    """Every row's LSE finite and within +-limit (a NaN LSE marks a row the listing
+    makes NaN: only the rows engine keeps such rows apart). Reads the host."""
+    lse = w._log_sum_exp()
+    return bool((lse.abs() <= limit).all())
 
 
 def _held_entropy(w: AttentionWeights) -> torch.Tensor:
@@ -755,13 +669,11 @@ PROVIDERS: dict[str, tuple[Provider, ...]] = {
     "sum": (
         Provider("held", _has_held, lambda w: w._held().sum(dim=-2)),
         Provider("triton", _triton_received_serves, _triton_received),
-        Provider("fused", _fused_received_serves, _fused_received),
         Provider("rows", _always, lambda w: rows.key_sums(w._every_row())),
     ),
     "entropy": (
         Provider("held", _has_held, _held_entropy),
         Provider("triton", _triton_serves, lambda w: _triton_stats(w, "entropy")),
-        Provider("fused", _fused_entropy_serves, _fused_entropy),
         Provider("rows", _always, lambda w: rows.entropy(w._every_row())),
     ),
     "amax": (

@@ -7,7 +7,7 @@ sdpa.settings) the scores fit in cache and torch's fused kernel saves nothing ov
 
 so this backend computes that, with grouped-query heads folded into rows (no copy of k
 or v), and hands p to AttentionWeights: every row and statistic of these weights is then
-a read of p, and `w.full()` costs nothing more. The LSE is not computed (AttentionWeights
+a read of p, and `w.full()` costs one copy. The LSE is not computed (AttentionWeights
 computes it if asked). Differentiable through torch's own matmul and softmax. Rows that
 see no key give output 0 and weights 0, as in the reference backend.
 """
@@ -124,5 +124,7 @@ class Small(Backend):
         return reasons
 
     def run(self, inputs: Inputs) -> tuple[torch.Tensor, None, torch.Tensor]:
+        """(out, no LSE, the weights): the weights stay in the autograd graph (reads of
+        them are differentiated by torch; AttentionWeights hands out copies only)."""
         out, p = probabilities_and_output(inputs)
-        return out, None, (p.detach() if p.requires_grad else p)
+        return out, None, p

@@ -23,7 +23,6 @@ from sdpa.budget import DEFAULT_MAX_BYTES
 from sdpa.distributed.comm import Ring, RingError
 from sdpa.distributed.layout import positions, shard, unshard
 from sdpa.errors import SdpaValueError
-from sdpa.functional import fused_runner
 from sdpa.inputs import normalize
 from sdpa.weights import AttentionWeights, StaleWeightsError, version_of
 
@@ -195,7 +194,7 @@ class RingWeights:
             pos = positions(self._n, ring.rank, ring.world, self._layout)
             mask = _Rows(self._rule, pos.to(self.device), self._n * ring.world)
         inputs = normalize(query, keys, keys.detach(), mask, scale=self._scale)
-        return AttentionWeights(inputs, self._lse, fused_runner)
+        return AttentionWeights(inputs, self._lse)
 
     def __getitem__(self, index: object) -> torch.Tensor:
         return self._local("rows")[index]

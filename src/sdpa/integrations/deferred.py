@@ -1,0 +1,1714 @@
+"""Deferred attention scores and patterns: tensors that compute only what is read.
+
+Eager attention code (TransformerLens' attention bridges, transformers' eager
+functions) builds the scores `q @ k.transpose(-2, -1) * scale`, masks them, softmaxes
+them and multiplies by the values. Inside a forward watched by `Intercept`, that first
+product returns a `LazyScores` instead of an L x S tensor; the ops eager code applies to
+it are recorded (and understood: scale, softcap, causal / boolean / additive masks), the
+softmax turns it into a `LazyPattern`, and the product with the values runs
+`sdpa.attention` with the equivalent mask: the fused kernel, nothing L x S allocated.
+
+A deferred tensor is a torch.Tensor (a wrapper subclass with the right shape, dtype and
+device). Any op it does not answer itself computes the dense values by replaying the
+recorded ops on real tensors: exactly what eager computes (inside a forward with no
+limit, as eager would; outside, within `max_bytes`, else WeightsTooLargeError). What it
+answers itself, outside a forward (a cached pattern):
+
+    p[b, h]              a lazy view (lead dims chosen, every query and key)
+    p[b, h, i]           rows, O(rows x S): from the fused weights, or replayed rows
+    p[..., j], p[..., J] key columns; p.sum(dim=-2), p.mean(dim=-2), p.sum(dim=-1),
+    p.amax(dim=-1), p.topk(k), p.entropy(), p.lse, p.weights (AttentionWeights),
+    p.full(max_bytes=) (dense), .detach(), .to(device / dtype), torch.stack([...])
+
+Shapes: q (B, H, L, D), kt (B, H, D, S) (the keys transposed, as eager multiplies
+them), scores and patterns (B, H, L, S); B: batch, H: query heads (key heads already
+repeated by the eager code), L: queries, S: keys. Query rows that see no key: eager
+(TransformerLens' default mode, which masks with the dtype's minimum) gives them
+uniform weights, sdpa gives 0; elsewhere the two agree to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from sdpa import masks
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
+from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
+from sdpa.functional import attention
+from sdpa.weights import AttentionWeights
+
+F = torch.nn.functional
+T = torch.Tensor
+_SELF = object()  # where the deferred value goes in a recorded op's arguments
+_OF_CHAIN = ("dead", "nan", "rowmax", "rowargmax")  # markers of a chain's own value
+MASKED = -1e30  # a fill value at or below this masks the entry out (finfo.min, -inf)
+ROW_BYTES = 64 * 2**20  # rows read per chunk by the reductions of a lazy view
+
+_forward_depth: contextvars.ContextVar[int] = contextvars.ContextVar("sdpa_deferred", default=0)
+_active: contextvars.ContextVar[Intercept | None] = contextvars.ContextVar(
+    "sdpa_deferred_intercept", default=None
+)
+
+
+def in_forward() -> bool:
+    """Whether an intercepted forward is running (dense fallbacks are then unlimited, as
+    eager's own tensors are)."""
+    return _forward_depth.get() > 0
+
+
+# ---- the ops eager attention code applies, by the function objects torch passes ----
+
+
+def _ops(*names: str) -> frozenset:
+    found = set()
+    for name in names:
+        for owner in (torch, T, F):
+            f = getattr(owner, name, None)
+            if f is not None:
+                found.add(f)
+    return frozenset(found)
+
+
+MATMUL = _ops("matmul", "__matmul__")
+MUL = _ops("mul", "multiply", "__mul__", "__rmul__")
+DIV = _ops("div", "divide", "true_divide", "__truediv__")
+ADD = _ops("add", "__add__", "__radd__")
+TANH = _ops("tanh")
+MASKED_FILL = _ops("masked_fill")
+SOFTMAX = _ops("softmax")
+CAT, MAX, SUB = (
+    _ops("cat", "concat", "concatenate"),
+    _ops("max"),
+    _ops("sub", "subtract", "__sub__"),
+)
+BMM, BADDBMM, VIEWS = _ops("bmm"), _ops("baddbmm"), _ops("view", "reshape")
+DROPOUT = frozenset({F.dropout, torch.dropout})
+WHERE = frozenset({torch.where})
+ISNAN, ISNEGINF, ALL = _ops("isnan"), _ops("isneginf"), _ops("all")
+INVERT = _ops("__invert__", "logical_not", "bitwise_not")
+TRIL = _ops("tril")
+STACK = frozenset({torch.stack})
+SAME = _ops("contiguous")  # a no-op on a value nobody writes
+METADATA = _ops(
+    "size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride",
+    "is_contiguous", "nelement", "ndimension", "get_device", "has_names", "is_signed",
+)  # fmt: skip
+PROPERTIES = frozenset(
+    {
+        "shape", "ndim", "dtype", "device", "requires_grad", "is_cuda", "is_cpu", "is_meta",
+        "layout", "is_sparse", "is_quantized", "is_nested", "names", "grad_fn", "is_leaf",
+        "grad", "is_mkldnn", "is_xpu", "is_mps", "itemsize", "nbytes",
+    }
+)  # fmt: skip
+
+
+def _property(func: Callable) -> str | None:
+    """The name of the tensor property a __get__ call reads, else None."""
+    if getattr(func, "__name__", None) != "__get__":
+        return None
+    return getattr(getattr(func, "__self__", None), "__name__", None)
+
+
+def _inplace(func: Callable) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (
+        (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+    )
+
+
+def _number(x: object) -> float | None:
+    """x as a float if it is a Python (or numpy) real number, else None."""
+    if isinstance(x, bool) or (not isinstance(x, int | float) and not hasattr(x, "__float__")):
+        return None
+    if isinstance(x, torch.Tensor):
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+# ---- nodes: what a deferred tensor stands for ----
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    """One recorded op: func(*args, **kwargs), _SELF where the deferred value goes."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True, eq=False)
+class Marker:
+    """A small tensor eager code builds on the way to the masked scores, kept symbolic:
+    ones (L, S) bool, tril(d) of it, its negation, where(keep, 0, fill) (an additive
+    mask), zeros_like(pattern), and tests of a chain's own value (dead rows of the
+    scores, NaNs of the pattern), evaluated at `prefix` ops of that chain."""
+
+    kind: str  # ones, tril, not_tril, additive, zeros, dead, nan, knock, rowmax
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    diagonal: int = 0
+    keep: object = None  # "additive": the bool keep mask (tensor or Marker)
+    fill: float = 0.0
+    prefix: int = 0  # "dead" / "nan": the chain's value after this many ops
+    edit: object = None  # "knock": the KnockOut whose dropped scores this marks (H, L, S)
+    of: object = None  # a test of a chain's value: the chain (a Node) at `prefix` ops
+
+    def build(self, rows: Selection | None = None, at: torch.Tensor | None = None) -> T:
+        """The dense value, restricted to `rows` where given; `at`: the chain's value at
+        `prefix` (for the tests of a chain's value; replayed where not given)."""
+        if at is None and self.kind in (*_OF_CHAIN, "isneginf"):
+            at = replay(self.of, rows)
+        if self.kind == "isneginf":
+            return torch.isneginf(at)
+        if self.kind == "dead":
+            return torch.isneginf(at).all(dim=-1, keepdim=True)
+        if self.kind == "rowmax":
+            return at.max(dim=-1, keepdim=True).values
+        if self.kind == "rowargmax":
+            return at.max(dim=-1, keepdim=True).indices
+        if self.kind == "nan":
+            return torch.isnan(at)
+        if self.kind == "additive":
+            keep = _value(self.keep, rows, None)
+            zero = torch.zeros((), dtype=self.dtype, device=self.device)
+            return torch.where(keep, zero, torch.full((), self.fill, dtype=self.dtype,
+                                                      device=self.device))  # fmt: skip
+        if self.kind == "zeros":
+            return _pick(torch.zeros(self.shape, dtype=self.dtype, device=self.device), rows)
+        if self.kind == "knock":
+            H, L, S = self.shape
+            return _pick(self.edit.knocked(H, L, S, self.device), rows)
+        L, S = self.shape[-2], self.shape[-1]
+        q_pos = torch.arange(L, device=self.device)
+        if rows is not None and rows.r is not None:
+            q_pos = q_pos[rows.r]
+        k_pos = torch.arange(S, device=self.device)
+        if self.kind == "ones":
+            return torch.ones(len(q_pos), S, dtype=torch.bool, device=self.device)
+        seen = masks.visible_grid(q_pos, k_pos, self.diagonal)  # tril(ones, diagonal)
+        return seen if self.kind == "tril" else ~seen
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What the recorded score ops mean: s = post * tanh(pre * q.k) (or pre * q.k without
+    tanh), then the mask terms in order: ("causal", d) keeps key j for query i when
+    j <= i + d; ("keep", m) keeps where m is True; ("drop", m) masks where m is True;
+    ("bias", t) adds t. dead: eager zeroed the scores of rows that see no key
+    (TransformerLens' compatibility mode), to be zeroed again after the softmax. sinks:
+    a column of logits concatenated after the keys (GPT-OSS), dropped after the softmax."""
+
+    pre: float = 1.0
+    tanh: bool = False
+    post: float = 1.0
+    terms: tuple = ()
+    dead: bool = False
+    sinks: T | None = None  # (B|1, H|1, L|1, 1) logits eager concatenated as a last key
+
+
+@dataclass(eq=False)
+class Call:
+    """One attention call as sdpa runs it: q, k, the mask in sdpa.attention's form and
+    the scale; its AttentionWeights once computed (or given, for a call that ran on sdpa
+    through transformers' attention interface)."""
+
+    q: T | None
+    k: T | None
+    mask: object
+    scale: float | None
+    weights: AttentionWeights | None = None
+
+    def get_weights(self) -> AttentionWeights:
+        if self.weights is None:
+            q, k = self.q, self.k
+            with torch.no_grad():  # the weights' reads recompute from q, k and the LSE
+                self.weights = attention(q, k, k[..., :1], self.mask, scale=self.scale).weights
+        return self.weights
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """A deferred scores or pattern tensor (B, H, L, S): `ops` replayed on
+    matmul(q, kt) give its exact eager value; `spec` says what they mean; `call` (for a
+    pattern) is the sdpa call it equals, shared by every tensor derived from the same
+    softmax; `edits` are sdpa edits a hook applied to the pattern."""
+
+    kind: str  # "scores" or "pattern"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    q: T | None = None
+    kt: T | None = None
+    ops: tuple[Op, ...] = ()
+    spec: Spec = field(default_factory=Spec)
+    call: Call | None = None
+    edits: tuple = ()
+    # rows that see no key: "sdpa" (there are none, or eager zeroed them: its values are
+    # sdpa's), "eager" (eager's finite fill gives them uniform weights, sdpa 0),
+    # "pending" (compatibility mode between zeroing their scores and their weights)
+    dead: str = "sdpa"
+    versions: tuple = ()
+    # batch and heads folded into one dim, as BLOOM's bmm / baddbmm run them: the scores
+    # are (B*H, L, S) (q and kt 3-D) until a .view(B, H, L, S), and a pattern's
+    # (B*H, L, S) reshape keeps its 4-D call (for its bmm with the values)
+    folded: bool = False
+
+    @property
+    def replayable(self) -> bool:
+        return self.q is not None
+
+    @property
+    def fused(self) -> bool:
+        """Whether sdpa's weights equal this pattern (to rounding) in every row: no
+        edits, and no row that sees no key where eager and sdpa differ."""
+        return self.kind == "pattern" and not self.edits and self.dead == "sdpa"
+
+    def check_fresh(self) -> None:
+        now = tuple(t._version for t in self._watched())
+        if now != self.versions:
+            raise StaleWeightsError(
+                "a tensor this deferred attention pattern was computed from (q, k or a "
+                "mask) changed in place after the forward; read the pattern before the "
+                "update, or pass a clone"
+            )
+
+    def _watched(self) -> Iterator[T]:
+        if self.q is None:
+            return
+        for t in (self.q, self.kt):
+            if not t.is_inference():
+                yield t
+        for op in self.ops:
+            for a in (*op.args, *op.kwargs.values()):
+                if isinstance(a, torch.Tensor) and not isinstance(a, Deferred | type(None)):
+                    if a.is_inference():
+                        continue
+                    yield a
+
+
+def _versions(q: T, kt: T, ops: tuple[Op, ...]) -> tuple:
+    probe = Node("scores", (), q.dtype, q.device, q=q, kt=kt, ops=ops)
+    return tuple(t._version for t in probe._watched())
+
+
+# ---- selections: which lead entries and rows a read wants ----
+
+
+@dataclass(frozen=True)
+class Selection:
+    """(b, h, r) of a (B, H, L, S) tensor, each a slice or a 1-D int64 tensor of
+    positions (dims kept), or None for all; `drop` lists the dims an int index removes."""
+
+    b: slice | T | None = None
+    h: slice | T | None = None
+    r: slice | T | None = None
+    drop: tuple[int, ...] = ()
+
+
+def _pick(t: T, sel: Selection | None) -> T:
+    """t, broadcasting to (B, H, L, ...) from the right, restricted to sel on each of its
+    dims that is not of size 1."""
+    if sel is None:
+        return t
+    for which, index in ((-4, sel.b), (-3, sel.h), (-2, sel.r)):
+        dim = t.ndim + which
+        if index is None or dim < 0 or t.shape[dim] == 1:
+            continue
+        if isinstance(index, slice):
+            t = t[(slice(None),) * dim + (index,)]
+        else:
+            t = t.index_select(dim, index.to(t.device))
+    return t
+
+
+def _value(arg: object, sel: Selection | None, at: dict[int, T] | None) -> object:
+    """A recorded argument as a real value, restricted to sel."""
+    if isinstance(arg, Deferred):
+        node = arg._node
+        if isinstance(node, Marker):
+            if node.kind in _OF_CHAIN:
+                return node.build(at=at[id(node)])
+            return node.build(sel)
+        return _pick(arg._dense(None), sel)
+    if isinstance(arg, Marker):
+        return arg.build(sel)
+    if isinstance(arg, torch.Tensor):
+        return _pick(arg, sel)
+    if isinstance(arg, list | tuple):
+        return type(arg)(_value(a, sel, at) for a in arg)
+    return arg
+
+
+def replay(node: Node, sel: Selection | None = None) -> T:
+    """The exact eager value of node (B, H, L, S), restricted to sel (dims kept)."""
+    node.check_fresh()
+    wanted: dict[int, list[Marker]] = {}  # prefix -> the chain tests evaluated there
+    for op in node.ops:
+        for a in (*op.args, *op.kwargs.values()):
+            m = a._node if isinstance(a, Deferred) else None
+            if isinstance(m, Marker) and m.kind in _OF_CHAIN:
+                wanted.setdefault(m.prefix, []).append(m)
+    at: dict[int, T] = {}
+    x = torch.matmul(_pick(node.q, sel), _pick(node.kt, replace(sel, r=None) if sel else None))
+    for i, op in enumerate(node.ops):
+        for m in wanted.get(i, ()):
+            at[id(m)] = m.build(at=x)
+        args = [_real(a, x, sel, at) for a in op.args]
+        kwargs = {k: _real(a, x, sel, at) for k, a in op.kwargs.items()}
+        x = op.func(*args, **kwargs)
+    return x
+
+
+def _real(a: object, x: T, sel: Selection | None, at: dict) -> object:
+    """A recorded argument with _SELF as x and the rest as real values."""
+    if a is _SELF:
+        return x
+    if isinstance(a, list | tuple) and any(b is _SELF for b in a):
+        return type(a)(_real(b, x, sel, at) for b in a)
+    return _value(a, sel, at)
+
+
+# ---- the tensor subclass ----
+
+
+class Deferred(torch.Tensor):
+    """A tensor computed on demand (see the module docstring). Its attributes: _node
+    (a Node, a Marker or a Stack), _lead (the view's choice of lead entries, or None),
+    _to ((device, dtype) the reads are converted to, or None), _budget (the byte limit
+    of dense results outside a forward), _detached (reads carry no gradient: a cached
+    value, as TransformerLens' cache stores value.detach())."""
+
+    _node: object
+    _lead: Selection | None
+    _to: tuple[torch.device, torch.dtype] | None
+    _budget: int | None
+    _detached: bool
+
+    @staticmethod
+    def __new__(cls, node, shape=None, dtype=None, device=None, lead=None, to=None,
+                budget=DEFAULT_MAX_BYTES, detached=False):  # fmt: skip
+        shape = tuple(node.shape if shape is None else shape)
+        dtype = node.dtype if dtype is None else dtype
+        device = node.device if device is None else device
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=device, requires_grad=False
+        )
+        t._node, t._lead, t._to, t._budget, t._detached = node, lead, to, budget, detached
+        return t
+
+    def _derive(self, **changes) -> Deferred:
+        """A wrapper like this one with some of (node, shape, dtype, device, lead, to,
+        budget, detached) changed."""
+        now = dict(node=self._node, shape=tuple(self.shape), dtype=self.dtype,
+                   device=self.device, lead=self._lead, to=self._to, budget=self._budget,
+                   detached=self._detached)  # fmt: skip
+        now.update(changes)
+        return type(self)(**now)
+
+    def __init__(self, *args, **kwargs):  # the wrapper is built in __new__
+        pass
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        what = getattr(self._node, "kind", "stack")
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"{what}, computed on demand: .full() for the dense tensor)"
+        )
+
+    # -- public reads --
+
+    @property
+    def weights(self) -> AttentionWeights:
+        """The AttentionWeights handle (B, H, L, S) of the whole call (of a pattern that
+        equals sdpa's weights: no edits applied)."""
+        node = self._node
+        if not isinstance(node, Node) or not node.fused:
+            raise SdpaValueError(
+                f"this {type(self).__name__} has no sdpa weights handle: only an unedited "
+                f"attention pattern has one (this one is {getattr(node, 'kind', 'a stack')}"
+                f"{' with edits' if isinstance(node, Node) and node.edits else ''})"
+            )
+        return node.call.get_weights()
+
+    @property
+    def lse(self) -> T:
+        """Log-sum-exp of each query row's scores, (*lead, L) (of the view)."""
+        return self._convert(_lead_of(self.weights.lse, self._lead, tail=1))
+
+    def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> T:
+        """The dense tensor; refuses, before computing anything, past max_bytes (None:
+        no limit)."""
+        return self._dense(max_bytes)
+
+    def entropy(self) -> T:
+        """-sum_j p_ij ln p_ij per query row, in nats: (*lead, L)."""
+        return self._reduce("entropy")
+
+    # -- the dispatch --
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        prop = _property(func)
+        if prop is not None:
+            if prop in PROPERTIES:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+        elif func in METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is T.__repr__ or func is T.__format__:
+            return Deferred.__repr__(args[0])
+        handled = _handle(func, args, kwargs)
+        if handled is not NotImplemented:
+            return handled
+        return _fallback(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """Ops that reach the dispatcher without passing __torch_function__: the dense
+        values stand in."""
+        real = torch.utils._pytree.tree_map(
+            lambda a: a._dense(None) if isinstance(a, Deferred) else a, (args, kwargs or {})
+        )
+        return func(*real[0], **real[1])
+
+    # -- helpers --
+
+    def _convert(self, t: T) -> T:
+        if self._to is None:
+            return t
+        device, dtype = self._to
+        return t.to(device=device, dtype=dtype)
+
+    def _dense(self, max_bytes: int | str | None = "budget") -> T:
+        """The dense value of this tensor (with its view and conversion)."""
+        node = self._node
+        if max_bytes == "budget":
+            max_bytes = None if in_forward() else self._budget
+        check_fits(
+            f"the dense {getattr(node, 'kind', 'stacked')} tensor in {self.dtype}",
+            tuple(self.shape),
+            self.element_size(),
+            max_bytes,
+            "Read less: rows (p[b, h, i]), key columns (p[..., j]), p.sum(dim=-2), "
+            "p.entropy() and p.topk(k) work in O(rows x S); or p.full(max_bytes=None)",
+        )
+        with _grad(self):
+            if isinstance(node, Stack):
+                return torch.stack([item._dense(None) for item in node.items], dim=0)
+            if isinstance(node, Marker):
+                return self._convert(node.build())
+            return self._convert(_squeeze(_rows(node, self._lead, None, None), self._lead))
+
+    def _reduce(self, what: str, dim: int | None = None, k: int = 0) -> object:
+        return _reduce(self, what, dim, k)
+
+
+def _grad(x: Deferred) -> contextlib.AbstractContextManager:
+    """No gradient for the reads of a detached (cached) value."""
+    return torch.no_grad() if x._detached else contextlib.nullcontext()
+
+
+def make(node, budget: int | None = DEFAULT_MAX_BYTES) -> Deferred:
+    """A deferred tensor for node: LazyScores or LazyPattern for a Node, else Deferred."""
+    kind = getattr(node, "kind", None)
+    cls = LazyPattern if kind == "pattern" else LazyScores if kind == "scores" else Deferred
+    return cls(node, budget=budget)
+
+
+class LazyScores(Deferred):
+    """Deferred masked scores (B, H, L, S), before the softmax: TransformerLens'
+    hook_attn_scores value. Reads replay the eager ops on the rows asked for."""
+
+
+class LazyPattern(Deferred):
+    """Deferred attention pattern (B, H, L, S), after the softmax: TransformerLens'
+    hook_pattern value (what `cache["pattern", layer]` holds on sdpa). Reads come from
+    sdpa's AttentionWeights (`.weights`) where the pattern equals them, else from
+    replayed rows."""
+
+
+class LazyStack(Deferred):
+    """torch.stack of lazy patterns or scores along a new dim 0 (ActivationCache's
+    stack_activation): s[layer] is that layer's tensor; sum / mean / amax / topk /
+    entropy apply to each and stack."""
+
+
+@dataclass(frozen=True, eq=False)
+class Stack:
+    """torch.stack(items, dim=0) of deferred tensors of one shape (stack_activation)."""
+
+    items: tuple[Deferred, ...]
+
+    @property
+    def kind(self) -> str:
+        return "stacked " + getattr(self.items[0]._node, "kind", "")
+
+
+# ---- views and row reads ----
+
+
+def _lead_sizes(node_shape: tuple[int, ...], lead: Selection | None) -> tuple[int, ...]:
+    """The view's shape: node (B, H, L, S) with lead chosen."""
+    B, H, L, S = node_shape
+    out = []
+    for dim, (n, index) in enumerate(
+        ((B, lead.b if lead else None), (H, lead.h if lead else None))
+    ):
+        if lead is not None and dim in lead.drop:
+            continue
+        out.append(_count(index, n))
+    return (*out, L, S)
+
+
+def _count(index: slice | T | None, n: int) -> int:
+    if index is None:
+        return n
+    if isinstance(index, slice):
+        return len(range(*index.indices(n)))
+    return index.numel()
+
+
+def _compose(outer: slice | T | None, inner: object, n: int) -> slice | T:
+    """Positions among n chosen by `inner` (an int, slice or int tensor, relative to the
+    positions `outer` chose), as a slice where evenly spaced, else an int64 tensor."""
+    base = torch.arange(n) if outer is None else torch.arange(n)[outer]
+    picked = base[inner % len(base)].reshape(1) if isinstance(inner, int) else base[inner]
+    if picked.numel() == 0:
+        return picked
+    first = int(picked[0])
+    step = int(picked[1] - picked[0]) if picked.numel() > 1 else 1
+    if step > 0 and torch.equal(picked, torch.arange(first, int(picked[-1]) + 1, step)):
+        return slice(first, int(picked[-1]) + 1, step)
+    return picked
+
+
+def _lead_of(t: T, lead: Selection | None, tail: int) -> T:
+    """t (B, H, *tail dims) restricted to the view's lead selection."""
+    if lead is None:
+        return t
+    sel = Selection(lead.b, lead.h, None)
+    for dim, index in ((0, sel.b), (1, sel.h)):
+        if index is None:
+            continue
+        t = (
+            t[(slice(None),) * dim + (index,)]
+            if isinstance(index, slice)
+            else t.index_select(dim, index.to(t.device))
+        )
+    for dim in sorted(lead.drop, reverse=True):
+        t = t.squeeze(dim)
+    return t
+
+
+def _squeeze(t: T, lead: Selection | None) -> T:
+    if lead is None:
+        return t
+    for dim in sorted(lead.drop, reverse=True):
+        t = t.squeeze(dim)
+    return t
+
+
+def _rows(node: Node, lead: Selection | None, r: slice | T | None, keys: object) -> T:
+    """The (B', H', n, S|m) values of node at the view's lead, rows r and keys `keys`
+    (None: all), dims kept: from sdpa's weights where they equal the pattern, else
+    replayed (exact eager) rows, with edits applied."""
+    sel = Selection(lead.b if lead else None, lead.h if lead else None, r)
+    if (
+        node.kind == "pattern"
+        and node.fused
+        and (node.call.weights is not None or not node.replayable)
+    ):
+        return _from_weights(node.call.get_weights(), sel, keys)
+    if not node.replayable:
+        return _from_weights(node.call.get_weights(), sel, keys)
+    x = replay(node, sel)
+    for edit in node.edits:
+        x = edit.dense(x, _positions(sel, node.shape))
+    if keys is not None:
+        x = x[..., keys] if not isinstance(keys, int) else x[..., keys : keys + 1]
+    return x
+
+
+class Where(NamedTuple):
+    """Which values a part of a pattern (B', H', n, S) holds: the int64 positions of its
+    batch entries, heads and rows among the whole (B, H, L, S)."""
+
+    b: T
+    h: T
+    r: T
+    B: int
+    H: int
+    L: int
+
+
+def _positions(sel: Selection, shape: tuple[int, ...]) -> Where:
+    """The positions a selection picks."""
+    picked = [
+        torch.arange(n)[index] if index is not None else torch.arange(n)
+        for n, index in zip(shape[:3], (sel.b, sel.h, sel.r), strict=True)
+    ]
+    return Where(*picked, *shape[:3])
+
+
+def _from_weights(w: AttentionWeights, sel: Selection, keys: object) -> T:
+    """w's values at sel (dims kept) and keys, through AttentionWeights' indexing (which
+    takes ints and slices in the lead and query dims: tensor selections are read one
+    position at a time)."""
+    index: list[object] = []
+    loops: list[tuple[int, T]] = []
+    for dim, item in enumerate((sel.b, sel.h, sel.r)):
+        if item is None:
+            index.append(slice(None))
+        elif isinstance(item, slice):
+            index.append(item)
+        else:
+            loops.append((dim, item))
+            index.append(None)
+    key_index = slice(None) if keys is None else keys
+    if isinstance(key_index, int):
+        key_index = [key_index]
+
+    def read(idx: list[object]) -> T:
+        return w[(*idx, key_index)]
+
+    if not loops:
+        return read(index)
+
+    def expand(i: int, idx: list[object]) -> T:
+        if i == len(loops):
+            return read(idx)
+        dim, positions = loops[i]
+        parts = []
+        for p in positions.tolist():
+            idx2 = list(idx)
+            idx2[dim] = slice(p, p + 1)
+            parts.append(expand(i + 1, idx2))
+        return torch.cat(parts, dim=dim)
+
+    return expand(0, index)
+
+
+# ---- the ops a deferred tensor answers ----
+
+
+def _node_of(x: object) -> object:
+    return x._node if isinstance(x, Deferred) else None
+
+
+def _handle(func, args, kwargs) -> object:
+    """The answer to func(*args, **kwargs) without dense values, or NotImplemented."""
+    if not args:
+        return NotImplemented
+    first = args[0]
+    if func in STACK:
+        return _stack(args, kwargs)
+    if (
+        func in CAT
+        and isinstance(first, list | tuple)
+        and first
+        and isinstance(_node_of(first[0]), Node)
+    ):
+        x = first[0]
+        if x._node.kind == "scores" and x._lead is None and x._to is None:
+            return _score_op(x, func, args, kwargs)
+        return NotImplemented
+    node = _node_of(first)
+    if func in MATMUL and isinstance(_node_of(first), Node) and len(args) == 2:
+        return _matmul(first, args[1])
+    if func in BMM and isinstance(_node_of(first), Node) and len(args) == 2 and not kwargs:
+        return _bmm(first, args[1])
+    reshaped = func in VIEWS and isinstance(node, Node) and in_forward()
+    if reshaped and (node.folded or (node.kind == "pattern" and len(node.shape) == 4)):
+        return _unfold(first, func, args, kwargs)
+    if func in WHERE and len(args) == 3 and isinstance(_node_of(args[2]), Node):
+        return _where(args, kwargs)
+    if func in WHERE and len(args) == 3 and isinstance(_node_of(args[1]), Node) and not kwargs:
+        return _where_scores(*args)
+    if isinstance(node, Marker):
+        return _marker_op(first, node, func, args, kwargs)
+    swapped = len(args) == 2 and not kwargs and isinstance(_node_of(args[1]), Node)
+    if swapped and func in ADD and not isinstance(_node_of(args[0]), Node):
+        return _score_op(args[1], func, (args[1], args[0]), {})  # x + scores
+    if swapped and func in MUL and not isinstance(first, torch.Tensor):
+        return _score_op(args[1], func, (args[1], args[0]), {})  # a * scores
+    if isinstance(node, Stack):
+        return _stack_op(first, node, func, args, kwargs)
+    if not isinstance(node, Node):
+        return NotImplemented
+    if _inplace(func):
+        raise SdpaTypeError(
+            f"{type(first).__name__} is computed on demand and cannot be changed in place "
+            f"({getattr(func, '__name__', func)}); take a dense copy first "
+            f"(p.full() or p.clone()) or return a new tensor from your hook"
+        )
+    if func is T.detach:
+        return first._derive(detached=True)
+    if func in SAME:
+        return first
+    if func is T.to or func is T.type or func is T.float or func is T.cpu or func is T.cuda:
+        return _to(first, func, args, kwargs)
+    if func is T.__getitem__ and node.kind == "pattern" and node.spec.sinks is not None:
+        return _drop_sink(first, args[1])
+    if in_forward() and node.kind == "scores" and (func is T.__getitem__ or func in REDUCTIONS):
+        if func is T.__getitem__ and _is_whole(args[1], tuple(first.shape)):
+            return first  # run_with_cache's pos_slice of every position
+        return NotImplemented  # inside a forward a read of the scores is eager's, exactly
+    if func is T.__getitem__:
+        return _getitem(first, args[1])
+    if first._lead is None and first._to is None:
+        if node.kind == "scores":
+            got = _score_op(first, func, args, kwargs)
+            if got is not NotImplemented:
+                return got
+        elif in_forward() or func in DROPOUT:
+            got = _pattern_op(first, func, args, kwargs)
+            if got is not NotImplemented:
+                return got
+    return _reduction(first, func, args, kwargs)
+
+
+def _fallback(func, args, kwargs) -> object:
+    """func on the dense values (the budget applies outside a forward)."""
+    real = torch.utils._pytree.tree_map(
+        lambda a: a._dense() if isinstance(a, Deferred) else a, (args, kwargs)
+    )
+    deferreds = [a for a in _flat(args) if isinstance(a, Deferred)]
+    if in_forward() and deferreds:
+        bare = all(isinstance(a._node, Node) and a._node.kind == "scores" and not a._node.ops
+                   for a in deferreds)  # fmt: skip
+        if not bare:  # (a bare product met another op: not attention scores, eager's)
+            _note_fallback(func, args)
+        mode = _active.get()
+        if mode is not None and bare:
+            mode.armed = True  # not the scores: the next product may be
+    return func(*real[0], **real[1])
+
+
+def _flat(args) -> list:
+    return torch.utils._pytree.tree_leaves(args)
+
+
+_FALLBACKS: dict[str, int] = {}
+FUSED = [0]  # calls of sdpa.attention that stood for an eager attention (a counter)
+
+
+def fallbacks() -> dict[str, int]:
+    """How many times, per op name, an intercepted forward computed a deferred tensor
+    densely because it met an op it does not understand (a counter for tests and
+    diagnostics; the result is still eager's)."""
+    return dict(_FALLBACKS)
+
+
+def _note_fallback(func, args) -> None:
+    name = getattr(func, "__name__", repr(func))
+    kinds = sorted({getattr(a._node, "kind", "?") for a in _flat(args) if isinstance(a, Deferred)})
+    key = f"{name}({', '.join(kinds)})"
+    if key not in _FALLBACKS:
+        warnings.warn(
+            f"sdpa: an attention forward computed its {'/'.join(kinds)} densely, as eager "
+            f"does, because it applied {name!r}, which the deferred scores do not model "
+            f"(the result is eager's; only the speed is lost)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    _FALLBACKS[key] = _FALLBACKS.get(key, 0) + 1
+
+
+def _record(x: Deferred, func, args, kwargs, **changes) -> Deferred:
+    """x with one more op recorded (args with x replaced by _SELF)."""
+    node: Node = x._node
+    op = Op(func, tuple(_as_self(a, x) for a in args),
+            {k: _as_self(a, x) for k, a in kwargs.items()})  # fmt: skip
+    ops = (*node.ops, op)
+    changes.setdefault("versions", _versions(node.q, node.kt, ops))
+    return _wrap(x, replace(node, ops=ops, **changes))
+
+
+def _as_self(a: object, x: Deferred) -> object:
+    """a with x replaced by _SELF (in lists and tuples too: torch.cat's tensors)."""
+    if a is x:
+        return _SELF
+    if isinstance(a, list | tuple):
+        return type(a)(_as_self(b, x) for b in a)
+    return a
+
+
+def _wrap(x: Deferred, node: object) -> Deferred:
+    """A deferred tensor for node with x's budget and detachment."""
+    out = make(node, x._budget)
+    out._detached = x._detached
+    return out
+
+
+def _score_op(x: Deferred, func, args, kwargs) -> object:
+    """One op on the scores: scale, softcap, masks, the softmax."""
+    node: Node = x._node
+    spec = node.spec
+    other = args[1] if len(args) > 1 else None
+    if (func in MUL or func in DIV) and not kwargs and len(args) == 2 and not spec.terms:
+        a = _number(other)
+        if a is None or a == 0:
+            return NotImplemented
+        a = a if func in MUL else 1.0 / a
+        spec = replace(spec, post=spec.post * a) if spec.tanh else replace(spec, pre=spec.pre * a)
+        return _record(x, func, args, kwargs, spec=spec)
+    if func in TANH and len(args) == 1 and not kwargs and not spec.terms and not spec.tanh:
+        return _record(
+            x, func, args, kwargs, spec=replace(spec, tanh=True, pre=spec.pre * spec.post, post=1.0)
+        )
+    if func in MASKED_FILL:
+        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        value = _number(value)
+        m = _node_of(mask)
+        if value == 0.0 and isinstance(m, Marker) and m.kind == "dead":
+            return _record(x, func, args, kwargs, spec=replace(spec, dead=True))
+        if value is None or value > MASKED:
+            return NotImplemented
+        if isinstance(m, Marker) and m.kind == "not_tril":
+            term = ("causal", m.diagonal)
+        elif (isinstance(m, Marker) and m.kind in ("tril", "ones", "knock")) or (
+            isinstance(mask, torch.Tensor)
+            and not isinstance(mask, Deferred)
+            and mask.dtype == torch.bool
+        ):
+            term = ("drop", mask)
+        else:
+            return NotImplemented
+        return _record(x, func, args, kwargs, spec=replace(spec, terms=(*spec.terms, term)))
+    if func in ADD and len(args) == 2 and kwargs.get("alpha", 1) == 1:
+        m = _node_of(other)
+        if isinstance(m, Marker) and m.kind == "additive" and m.fill <= MASKED:
+            term = ("keep", m.keep)
+        elif (
+            isinstance(other, torch.Tensor)
+            and not isinstance(other, Deferred)
+            and other.is_floating_point()
+        ):
+            term = ("bias", other)
+        else:
+            return NotImplemented
+        return _record(x, func, args, kwargs, spec=replace(spec, terms=(*spec.terms, term)))
+    if func in CAT and spec.sinks is None and not spec.tanh:
+        return _cat_sink(x, args, kwargs)
+    if func in MAX and spec.sinks is not None and len(args) == 1 + ("dim" not in kwargs):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dim in (-1, 3) and kwargs.get("keepdim", False) and set(kwargs) <= {"dim", "keepdim"}:
+            m = Marker("rowmax", (*node.shape[:-1], 1), node.dtype, node.device,
+                       prefix=len(node.ops), of=node)  # fmt: skip
+            indices = replace(m, kind="rowargmax", dtype=torch.long)
+            return torch.return_types.max((_wrap(x, m), _wrap(x, indices)))
+        return NotImplemented
+    if func in SUB and spec.sinks is not None and len(args) == 2 and not kwargs:
+        m = _node_of(args[1])
+        if isinstance(m, Marker) and m.kind == "rowmax" and m.prefix == len(node.ops):
+            return _record(x, func, args, kwargs)  # a shift: the softmax is the same
+        return NotImplemented
+    if func in SOFTMAX:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        at = 3 if func is F.softmax else 2  # F.softmax(x, dim, _stacklevel, dtype)
+        dtype = kwargs.get("dtype", args[at] if len(args) > at else None) or node.dtype
+        if dim not in (-1, 3) or len(args) > at + 1:
+            return NotImplemented
+        out = _record(x, func, args, kwargs)
+        call = _call(node) if spec.sinks is None else None  # (sinks: at the drop)
+        if call is None and spec.sinks is None:
+            return NotImplemented
+        dead = "pending" if spec.dead else "eager" if _may_see_nothing(spec) else "sdpa"
+        pattern = replace(out._node, kind="pattern", dtype=dtype, call=call, dead=dead)
+        return _wrap(x, pattern)
+    return NotImplemented
+
+
+def _cat_sink(x: Deferred, args, kwargs) -> object:
+    """torch.cat([scores, sinks], dim=-1) with sinks (..., 1) real logits: the sink."""
+    tensors = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if (
+        dim not in (-1, 3) or len(tensors) != 2 or tensors[0] is not x
+        or not isinstance(tensors[1], torch.Tensor) or isinstance(tensors[1], Deferred)
+        or tensors[1].shape[-1] != 1 or tensors[1].ndim != 4 or set(kwargs) - {"dim"}
+    ):  # fmt: skip
+        return NotImplemented
+    node: Node = x._node
+    spec = replace(node.spec, sinks=tensors[1])
+    out = _record(x, torch.cat, args, kwargs, spec=spec)
+    return _wrap(x, replace(out._node, shape=(*node.shape[:-1], node.shape[-1] + 1)))
+
+
+def _drop_sink(x: Deferred, index: object) -> object:
+    """pattern[..., :-1] of a pattern with a sink column: the pattern over the keys, the
+    sdpa call with masks.sinks."""
+    node: Node = x._node
+    S = node.shape[-1] - 1
+    items = _normalize(index, node.shape)
+    if (
+        items is None
+        or not all(
+            isinstance(it, slice) and range(*it.indices(n)) == range(n)
+            for it, n in zip(items[:-1], node.shape[:-1], strict=True)
+        )
+        or not isinstance(items[-1], slice)
+        or range(*items[-1].indices(S + 1)) != range(S)
+    ):
+        return NotImplemented
+    out = _record(x, T.__getitem__, (x, index), {})
+    keys = replace(out._node, shape=(*node.shape[:-1], S))
+    call = _call(keys)
+    if call is None:
+        return NotImplemented
+    call.mask = masks.sinks(node.spec.sinks, call.mask)
+    dead = "eager" if _may_see_nothing(node.spec) else "sdpa"
+    return _wrap(x, replace(keys, call=call, dead=dead, spec=replace(node.spec, sinks=None)))
+
+
+def _may_see_nothing(spec: Spec) -> bool:
+    """Whether a query row may see no key under the mask terms (a row filled with a
+    finite value then softmaxes to uniform weights on eager): any term but causal
+    masking that keeps the diagonal."""
+    return any(kind != "causal" or value < 0 for kind, value in spec.terms)
+
+
+def _pattern_op(x: Deferred, func, args, kwargs) -> object:
+    """One op on the pattern inside a forward: casts, dropout off, the compatibility
+    mode's row zeroing and NaN scrub."""
+    node: Node = x._node
+    if func in DROPOUT:
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        training = args[2] if len(args) > 2 else kwargs.get("training", True)
+        if not training or p == 0:
+            return x
+        return NotImplemented
+    if func in MASKED_FILL:
+        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        value = _number(args[2] if len(args) > 2 else kwargs.get("value"))
+        m = _node_of(mask)
+        if value == 0.0 and isinstance(m, Marker) and m.kind == "dead" and node.replayable:
+            return _record(x, func, args, kwargs, dead="sdpa")
+        return NotImplemented
+    if func in ISNAN and len(args) == 1 and node.replayable:
+        m = Marker("nan", node.shape, torch.bool, node.device, prefix=len(node.ops), of=node)
+        return make(m, x._budget)
+    return NotImplemented
+
+
+def _where(args, kwargs) -> object:
+    """torch.where(isnan(p), zeros_like(p), p): the NaN scrub, a no-op on sdpa's values
+    (recorded so that replay stays exact)."""
+    cond, a, x = args
+    c, z = _node_of(cond), _node_of(a)
+    node: Node = x._node
+    if (
+        isinstance(c, Marker) and c.kind == "nan" and c.prefix == len(node.ops)
+        and isinstance(z, Marker) and z.kind == "zeros" and not kwargs
+    ):  # fmt: skip
+        return _record(x, torch.where, args, kwargs)
+    return NotImplemented
+
+
+def _where_scores(cond, x: Deferred, fill) -> object:
+    """torch.where(keep, scores, fill) with a 0-d fill at or below MASKED made in this
+    forward (GPT-Neo's causal mask): a keep term."""
+    mode = _active.get()
+    node = x._node
+    tagged = mode.fills.get(id(fill)) if mode is not None else None
+    if (
+        node.kind != "scores" or tagged is None or tagged[0] is not fill or tagged[1] > MASKED
+        or not isinstance(cond, torch.Tensor) or cond.dtype != torch.bool
+        or (isinstance(cond, Deferred) and not isinstance(cond._node, Marker))
+    ):  # fmt: skip
+        return NotImplemented
+    term = ("keep", cond)
+    return _record(x, torch.where, (cond, x, fill), {},
+                   spec=replace(node.spec, terms=(*node.spec.terms, term)))  # fmt: skip
+
+
+def _to(x: Deferred, func, args, kwargs) -> object:
+    """.to(dtype / device), .float(), .cpu(): recorded inside a forward (a cast of the
+    scores or pattern), a conversion of the reads outside."""
+    node: Node = x._node
+    device, dtype, rest = _to_args(func, args[1:], kwargs, x)
+    if rest is None:
+        return NotImplemented
+    if (device is None or torch.device(device) == x.device) and (dtype is None or dtype == x.dtype):
+        return x
+    if in_forward() and x._lead is None and x._to is None and node.replayable:
+        if device is not None and torch.device(device) != x.device:
+            return NotImplemented
+        return _wrap(x, replace(_record(x, T.to, (x, dtype), {})._node, dtype=dtype))
+    to_device = x.device if device is None else torch.device(device)
+    to_dtype = x.dtype if dtype is None else dtype
+    return x._derive(dtype=to_dtype, device=to_device, to=(to_device, to_dtype))
+
+
+def _to_args(func, rest, kwargs, x) -> tuple:
+    """(device, dtype, ok) of a .to / .type / .float / .cpu / .cuda call."""
+    if func is T.float:
+        return None, torch.float32, ()
+    if func is T.cpu:
+        return torch.device("cpu"), None, ()
+    if func is T.cuda:
+        return torch.device("cuda"), None, ()
+    kwargs = dict(kwargs)
+    for k in ("non_blocking", "copy", "memory_format"):
+        if kwargs.pop(k, False) not in (False, None, torch.preserve_format):
+            return None, None, None
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    if kwargs:
+        return None, None, None
+    for a in rest:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, str | torch.device):
+            device = a
+        elif isinstance(a, torch.Tensor):
+            device, dtype = a.device, a.dtype
+        elif a is None:
+            continue
+        else:
+            return None, None, None
+    return device, dtype, ()
+
+
+def _call(node: Node) -> Call | None:
+    """The sdpa call whose weights equal the softmax of node's scores, or None where the
+    mask terms cannot be expressed."""
+    spec = node.spec
+    L, S = node.shape[-2], node.shape[-1]
+    causal, keeps, biases = [], [], []
+    for kind, value in spec.terms:
+        if kind == "causal":
+            causal.append(value)
+        elif kind == "bias":
+            biases.append(value)
+        else:
+            keeps.append((kind, value))
+    mask: object = None
+    if not keeps and not biases and len(causal) == 1 and causal[0] in (S - L, 0):
+        mask = masks.causal("bottom-right" if causal[0] == S - L else "top-left")
+    elif causal or keeps or biases:
+        keep = None
+        device = node.device
+        q_pos, k_pos = torch.arange(L, device=device), torch.arange(S, device=device)
+        for d in causal:
+            seen = masks.visible_grid(q_pos, k_pos, d)
+            keep = seen if keep is None else keep & seen
+        for kind, m in keeps:
+            m = _value(m, None, None)
+            m = m if kind == "keep" else ~m
+            keep = m if keep is None else keep & m
+        bias = None
+        for b in biases:
+            bias = b if bias is None else bias + b
+        if bias is not None and keep is not None:
+            mask = bias.masked_fill(~keep, -torch.inf)
+        else:
+            mask = bias if bias is not None else keep
+    if spec.tanh:
+        if spec.post <= 0:
+            return None
+        mask = masks.softcap(spec.post, mask)
+        scale = spec.pre * spec.post
+    else:
+        scale = spec.pre
+    return Call(node.q, node.kt.mT, mask, scale)
+
+
+def _matmul(p: Deferred, v: object) -> object:
+    """pattern @ values: sdpa.attention, with the pattern's edits (the fused path)."""
+    node: Node = p._node
+    if (
+        node.kind != "pattern" or not isinstance(v, torch.Tensor) or isinstance(v, Deferred)
+        or p._lead is not None or p._to is not None or v.ndim not in (3, 4)
+        or node.dead == "pending" or node.call is None or node.call.q is None
+    ):  # fmt: skip
+        return NotImplemented
+    call = node.call
+    if v.ndim != call.q.ndim or v.ndim != len(node.shape):
+        return NotImplemented
+    out_dtype = torch.promote_types(p.dtype, v.dtype)
+    q, k = call.q, call.k
+    if q.dtype != v.dtype:
+        q, k = q.to(v.dtype), k.to(v.dtype)
+    FUSED[0] += 1
+    if node.edits:
+        return node.edits[0].fused(q, k, v, call.mask, call.scale).to(out_dtype)
+    out, w = attention(q, k, v, call.mask, scale=call.scale)
+    if call.weights is None and q is call.q:
+        call.weights = w
+    return out.to(out_dtype)
+
+
+def _sizes(args, kwargs) -> tuple[int, ...] | None:
+    """The target sizes of a .view / .reshape call (ints, one may be -1)."""
+    sizes = args[1:] if len(args) > 2 or not isinstance(args[1], tuple | list) else args[1]
+    sizes = kwargs.get("shape", kwargs.get("size", sizes))
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        return None
+    return tuple(sizes)
+
+
+def _unfold(x: Deferred, func, args, kwargs) -> object:
+    """BLOOM's scores.view(B, H, L, -1) of a (1, B*H, L, S) product: the node in 4-D
+    (q, k and the bias the product added, viewed alike); a pattern's reshape(B*H, L, -1)
+    for its bmm: the same node, folded."""
+    node: Node = x._node
+    sizes = _sizes(args, kwargs)
+    if sizes is None or x._lead is not None:
+        return NotImplemented
+    BH, L, S = node.shape[-3:]
+    if (
+        node.kind == "scores"
+        and node.folded
+        and len(sizes) == 4
+        and sizes[2] == L
+        and sizes[3] in (-1, S)
+    ):
+        B, H = sizes[0], sizes[1]
+        if B * H != BH or len(node.ops) > 2 or node.spec.terms[1:]:
+            return NotImplemented
+        q = node.q.reshape(B, H, L, -1)  # (B, H, L, D)
+        kt = node.kt.reshape(B, H, -1, S)  # (B, H, D, S)
+        terms = tuple((k, t.reshape(B, H, *t.shape[-2:])) for k, t in node.spec.terms)
+        ops = (
+            Op(T.mul, (_SELF, node.spec.pre), {}),
+            *(Op(T.add, (_SELF, t), {}) for _, t in terms),
+        )
+        spec = replace(node.spec, terms=terms)
+        four = replace(node, shape=(B, H, L, S), q=q, kt=kt, ops=ops, spec=spec, folded=False,
+                       versions=_versions(q, kt, ops))  # fmt: skip
+        return _wrap(x, four)
+    if (
+        node.kind == "pattern"
+        and len(node.shape) == 4
+        and len(sizes) == 3
+        and sizes[1:] in ((L, -1), (L, S))
+    ):
+        B, H = node.shape[0], node.shape[1]
+        if sizes[0] != B * H:
+            return NotImplemented
+        out = _record(x, func, args, kwargs)  # (B*H, L, S), replayed as eager's reshape
+        return _wrap(x, replace(out._node, shape=(B * H, L, S), folded=True))
+    return NotImplemented
+
+
+def _bmm(p: Deferred, v: object) -> object:
+    """BLOOM's bmm(pattern (B*H, L, S), v (B*H, S, Dv)): the fused call in 4-D."""
+    node: Node = p._node
+    if node.kind != "pattern" or not isinstance(v, torch.Tensor):
+        return NotImplemented
+    if isinstance(v, Deferred) or v.ndim != 3 or node.call is None or node.call.q is None:
+        return NotImplemented
+    if node.call.q.ndim == 3:  # the scores were never viewed 4-D: a 3-D call
+        return _matmul(p, v)
+    B, H = node.call.q.shape[:2]
+    four = _wrap(p, replace(node, shape=(B, H, *node.shape[-2:]), folded=False))
+    out = _matmul(four, v.reshape(B, H, *v.shape[-2:]))  # (B, H, L, Dv)
+    return out if out is NotImplemented else out.reshape(B * H, *out.shape[-2:])
+
+
+def _marker_op(x: Deferred, m: Marker, func, args, kwargs) -> object:
+    """tril of ones, its negation, .all(dim=-1) of the scores' isneginf, .to(device)."""
+    if func in TRIL and m.kind == "ones" and len(m.shape) == 2:
+        diagonal = args[1] if len(args) > 1 else kwargs.get("diagonal", 0)
+        return make(replace(m, kind="tril", diagonal=int(diagonal)), x._budget)
+    if func in INVERT and len(args) == 1 and m.kind in ("tril", "not_tril"):
+        return make(replace(m, kind="not_tril" if m.kind == "tril" else "tril"), x._budget)
+    if func in ALL and m.kind == "isneginf":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dim in (-1, len(m.shape) - 1) and kwargs.get("keepdim", False):
+            return make(replace(m, kind="dead", shape=(*m.shape[:-1], 1)), x._budget)
+    if func is T.to or func is T.bool:
+        device, dtype, rest = _to_args(func, args[1:], kwargs, x)
+        if (
+            rest is not None
+            and (device is None or torch.device(device) == m.device)
+            and (dtype is None or dtype == m.dtype)
+        ):
+            return x
+    return NotImplemented
+
+
+def _getitem(x: Deferred, index: object) -> object:
+    """Indexing: a lazy view where every query and key stays, else the rows read."""
+    node: Node = x._node
+    if not node.shape or len(node.shape) != 4:
+        return NotImplemented
+    shape = tuple(x.shape)
+    items = _normalize(index, shape)
+    if items is None:
+        return NotImplemented
+    lead_dims = len(shape) - 2
+    lead_items, q_item, k_item = items[:lead_dims], items[-2], items[-1]
+    lead = _compose_lead(x._lead, lead_items, node.shape)
+    if lead is None:
+        return NotImplemented
+    whole = lambda it, n: isinstance(it, slice) and range(*it.indices(n)) == range(n)  # noqa: E731
+    L, S = node.shape[-2], node.shape[-1]
+    if lead is _WHOLE:
+        lead = None
+    if whole(q_item, L) and whole(k_item, S):
+        return x._derive(shape=_lead_sizes(node.shape, lead), lead=lead)
+    r = q_item if not isinstance(q_item, int) else slice(q_item % L, q_item % L + 1)
+    keys = None if whole(k_item, S) else k_item % S if isinstance(k_item, int) else k_item
+    n_keys = 1 if isinstance(keys, int) else _count(keys, S)
+    out_shape = (*_lead_sizes(node.shape, lead)[:-2], _count(r, L), n_keys)
+    if not in_forward():
+        check_fits(f"the {node.kind} rows", out_shape, x.element_size(), x._budget,
+                   "Read fewer rows at a time, or full(max_bytes=None)")  # fmt: skip
+    with _grad(x):
+        t = _rows(node, lead, r, keys)
+    t = _squeeze(t, lead)
+    if isinstance(q_item, int):
+        t = t.squeeze(-2)
+    if isinstance(keys, int):
+        t = t.squeeze(-1)
+    return x._convert(t)
+
+
+def _is_whole(index: object, shape: tuple[int, ...]) -> bool:
+    """Whether index picks every entry of every dim (x[:, :], x[...])."""
+    items = _normalize(index, shape)
+    return items is not None and all(
+        isinstance(it, slice) and range(*it.indices(n)) == range(n)
+        for it, n in zip(items, shape, strict=True)
+    )
+
+
+def _normalize(index: object, shape: tuple[int, ...]) -> list | None:
+    """One item per dim (ints, slices, 1-D int tensors / lists), or None for indices a
+    deferred tensor does not take (None, bools, multi-dim tensors)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    ndim = len(shape)
+    ellipses = [at for at, i in enumerate(items) if i is Ellipsis]
+    if len(ellipses) > 1:
+        return None
+    if ellipses:
+        at = ellipses[0]
+        items[at : at + 1] = [slice(None)] * (ndim - len(items) + 1)
+    if len(items) > ndim:
+        return None
+    items += [slice(None)] * (ndim - len(items))
+    out = []
+    for size, item in zip(shape, items, strict=True):
+        if isinstance(item, bool) or item is None:
+            return None
+        if isinstance(item, slice):
+            if item.step is not None and item.step <= 0:
+                return None
+            out.append(item)
+        elif isinstance(item, int):
+            out.append(item)
+        elif isinstance(item, list | range) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in item
+        ):
+            t = torch.tensor(list(item), dtype=torch.long)
+            if t.numel() and not bool(((t >= -size) & (t < size)).all()):
+                raise IndexError(f"an index is out of bounds for a dim of size {size}")
+            out.append(t % size)
+        elif hasattr(item, "__index__") and not hasattr(item, "shape"):
+            out.append(int(item))
+        else:
+            try:
+                t = torch.as_tensor(item) if not isinstance(item, torch.Tensor) else item
+            except (TypeError, ValueError, RuntimeError):
+                return None
+            if isinstance(t, Deferred) or t.dtype in (torch.bool,) or t.is_floating_point():
+                return None
+            if t.ndim == 0:
+                out.append(int(t))
+            elif t.ndim == 1:
+                t = t.to("cpu", torch.long)
+                if t.numel() and not bool(((t >= -size) & (t < size)).all()):
+                    raise IndexError(f"an index is out of bounds for a dim of size {size}")
+                out.append(t % size)
+            else:
+                return None
+    return out
+
+
+_WHOLE = Selection()  # a lead selection of every entry (the view is the whole tensor)
+
+
+def _compose_lead(
+    lead: Selection | None, items: list, node_shape: tuple[int, ...]
+) -> Selection | None:
+    """The view's lead selection after indexing its lead dims with items."""
+    B, H = node_shape[0], node_shape[1]
+    current = [lead.b if lead else None, lead.h if lead else None]
+    drop = set(lead.drop) if lead else set()
+    kept = [d for d in (0, 1) if d not in drop]  # the view's lead dims, as node dims
+    if len(items) != len(kept):
+        return None
+    for dim, item in zip(kept, items, strict=True):
+        n = (B, H)[dim]
+        if isinstance(item, int):
+            size = _count(current[dim], n)
+            if not -size <= item < size:
+                raise IndexError(f"index {item} is out of bounds for dim {dim} with size {size}")
+            item %= size
+            drop.add(dim)
+        current[dim] = _compose(current[dim], item, n)
+    for dim, n in ((0, B), (1, H)):
+        index = current[dim]
+        if isinstance(index, slice) and range(*index.indices(n)) == range(n):
+            current[dim] = None  # every entry: no selection
+    if current == [None, None] and not drop:
+        return _WHOLE
+    return Selection(current[0], current[1], None, tuple(sorted(drop)))
+
+
+def _stack(args, kwargs) -> object:
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if (
+        dim != 0 or kwargs.get("out") is not None or not tensors
+        or not all(isinstance(_node_of(t), Node) for t in tensors)
+        or len({tuple(t.shape) for t in tensors}) != 1
+    ):  # fmt: skip
+        return NotImplemented
+    first = tensors[0]
+    return LazyStack(Stack(tuple(tensors)), (len(tensors), *first.shape), first.dtype,
+                     first.device, budget=first._budget)  # fmt: skip
+
+
+def _stack_op(x: Deferred, s: Stack, func, args, kwargs) -> object:
+    if func is T.__getitem__:
+        index = args[1]
+        items = list(index) if isinstance(index, tuple) else [index]
+        head, rest = items[0], items[1:]
+        if isinstance(head, int):
+            item = s.items[head]
+            return item[tuple(rest)] if rest else item
+        if isinstance(head, slice) and not rest:
+            picked = s.items[head]
+            return LazyStack(Stack(picked), (len(picked), *x.shape[1:]), x.dtype, x.device,
+                             budget=x._budget)  # fmt: skip
+        return NotImplemented
+    if func in SAME:
+        return x
+    reduced = [_reduction(item, func, (item, *args[1:]), kwargs) for item in s.items]
+    if any(r is NotImplemented for r in reduced):
+        return NotImplemented
+    if isinstance(reduced[0], tuple):
+        return tuple(torch.stack(parts, dim=0) for parts in zip(*reduced, strict=True))
+    return torch.stack(reduced, dim=0)
+
+
+# ---- reductions over a view, in row chunks ----
+
+SUM, MEAN, AMAX, TOPK = _ops("sum"), _ops("mean"), _ops("amax"), _ops("topk")
+REDUCTIONS = SUM | MEAN | AMAX | TOPK
+
+
+def _reduction(x: Deferred, func, args, kwargs) -> object:
+    """sum / mean over the queries (dim -2) or the keys (dim -1), amax(dim=-1), topk(k)."""
+    node = x._node
+    if not isinstance(node, Node) or len(node.shape) != 4 or node.folded:
+        return NotImplemented
+    nd = x.ndim
+    if func in SUM or func in MEAN:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if isinstance(dim, list | tuple) and len(dim) == 1:
+            dim = dim[0]
+        extra = set(kwargs) - {"dim", "keepdim", "dtype"}
+        if extra or not isinstance(dim, int) or dim % nd not in (nd - 1, nd - 2) or len(args) > 3:
+            return NotImplemented
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        out = _reduce(x, "sum_rows" if dim % nd == nd - 2 else "sum_keys")
+        if func in MEAN:
+            out = out / x.shape[dim]
+        if kwargs.get("dtype") is not None:
+            out = out.to(kwargs["dtype"])
+        return out.unsqueeze(dim) if keepdim else out
+    if func in AMAX:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", ())
+        if isinstance(dim, list | tuple) and len(dim) == 1:
+            dim = dim[0]
+        if (
+            not isinstance(dim, int)
+            or dim % nd != nd - 1
+            or kwargs.get("keepdim")
+            or node.kind != "pattern"
+        ):
+            return NotImplemented
+        return _reduce(x, "amax")
+    if func in TOPK:
+        k = args[1] if len(args) > 1 else kwargs.get("k")
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+        ordered = args[4] if len(args) > 4 else kwargs.get("sorted", True)
+        if dim % nd != nd - 1 or not largest or not ordered or node.kind != "pattern":
+            return NotImplemented
+        return _reduce(x, "topk", k=k)
+    return NotImplemented
+
+
+def _reduce(x: Deferred, what: str, dim: int | None = None, k: int = 0) -> object:
+    """A per-row or per-key statistic of the view: straight from AttentionWeights for a
+    fused pattern's whole call, else accumulated over row chunks."""
+    node = x._node
+    if not isinstance(node, Node):
+        raise SdpaTypeError(f"{what} works on a deferred pattern, not on {type(x).__name__}")
+    if what != "sum_keys" and what != "sum_rows" and node.kind != "pattern":
+        raise SdpaValueError(f"{what} is a read of an attention pattern, not of the scores")
+    with _grad(x):
+        if node.fused and x._lead is None:
+            w = node.call.get_weights()
+            if what == "sum_rows":
+                return x._convert(w.sum(dim=-2))
+            if what == "entropy":
+                return x._convert(w.entropy())
+            if what == "amax":
+                return x._convert(w.amax(dim=-1))
+            if what == "topk":
+                values, indices = w.topk(k)
+                return x._convert(values), indices
+        return _by_chunks(x, node, what, k)
+
+
+def _by_chunks(x: Deferred, node: Node, what: str, k: int) -> object:
+    L, S = node.shape[-2:]
+    lead = x._lead
+    n_lead = math.prod(_lead_sizes(node.shape, lead)[:-2]) or 1
+    step = max(1, ROW_BYTES // max(1, n_lead * S * 4))
+    acc, parts, idx = None, [], []
+    for r0 in range(0, L, step):
+        rows = _rows(node, lead, slice(r0, min(L, r0 + step)), None)  # (B', H', n, S)
+        if what == "sum_rows":
+            got = rows.sum(dim=-2)
+            acc = got if acc is None else acc + got
+            continue
+        if what == "sum_keys":
+            parts.append(rows.sum(dim=-1))
+        elif what == "entropy":
+            logp = rows.clamp_min(torch.finfo(rows.dtype).tiny).log()
+            parts.append(-(rows * logp).sum(dim=-1))
+        elif what == "amax":
+            parts.append(rows.amax(dim=-1))
+        elif what == "topk":
+            values, indices = rows.topk(k, dim=-1)
+            parts.append(values)
+            idx.append(indices)
+    if what == "sum_rows":
+        return x._convert(_squeeze(acc, lead))
+    out = _squeeze(torch.cat(parts, dim=2), lead)
+    if what == "topk":
+        return x._convert(out), _squeeze(torch.cat(idx, dim=2), lead)
+    return x._convert(out)
+
+
+# ---- the interception of eager attention inside a forward ----
+
+
+FILLS = frozenset({torch.zeros, torch.full, torch.tensor})
+
+
+class Intercept(TorchFunctionMode):
+    """Active around an attention module's forward: the first product q @ k^T of 4-D
+    tensors (the first only: a later p @ v has the same shapes) returns LazyScores; the
+    bool masks and 0-d fill values eager code builds are kept symbolic (Marker).
+    `bypass()` turns it off (sdpa's own calls run under it)."""
+
+    def __init__(self, budget: int | None = DEFAULT_MAX_BYTES) -> None:
+        super().__init__()
+        self.budget = budget
+        self.fills: dict[int, tuple[T, float]] = {}  # id -> (0-d tensor, its value)
+        self.off = 0
+        self.armed = True  # one q @ k^T per forward: later products (p @ v) are not scores
+
+    @contextlib.contextmanager
+    def bypass(self) -> Iterator[None]:
+        self.off += 1
+        try:
+            yield
+        finally:
+            self.off -= 1
+
+    def __enter__(self):
+        self._token = _forward_depth.set(_forward_depth.get() + 1)
+        self._mode_token = _active.set(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _forward_depth.reset(self._token)
+        _active.reset(self._mode_token)
+        self.fills.clear()
+        self.armed = True
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
+        if func in MATMUL and len(args) == 2 and not kwargs and self.armed:
+            got = self._scores(*args)
+            if got is not None:
+                self.armed = False
+                return got
+        elif (func in BMM or func in BADDBMM) and self.armed:
+            got = self._folded_scores(func, args, kwargs)
+            if got is not None:
+                self.armed = False
+                return got
+        elif func is torch.ones:
+            got = self._ones(args, kwargs)
+            if got is not None:
+                return got
+        elif func is torch.zeros_like and args and isinstance(_node_of(args[0]), Node):
+            node = args[0]._node
+            if not kwargs:
+                return make(Marker("zeros", node.shape, node.dtype, node.device), self.budget)
+        elif func in ISNEGINF and args and isinstance(_node_of(args[0]), Node):
+            node = args[0]._node
+            if node.kind == "scores" and node.spec.terms:
+                m = Marker("isneginf", node.shape, torch.bool, node.device,
+                           prefix=len(node.ops), of=node)  # fmt: skip
+                return make(m, self.budget)
+        elif func in WHERE and len(args) == 3 and not kwargs:
+            got = self._additive(*args)
+            if got is not None:
+                return got
+        out = func(*args, **kwargs)
+        made = func in FILLS and isinstance(out, torch.Tensor) and not isinstance(out, Deferred)
+        if made and out.ndim == 0:
+            value = self._fill_value(func, args, kwargs)
+            if value is not None:
+                self.fills[id(out)] = (out, value)
+        return out
+
+    @staticmethod
+    def _fill_value(func, args, kwargs) -> float | None:
+        """The value of a 0-d tensor made by torch.zeros / full / tensor from numbers."""
+        if func is torch.zeros:
+            return 0.0
+        if func is torch.full:
+            return _number(args[1] if len(args) > 1 else kwargs.get("fill_value"))
+        return _number(args[0] if args else kwargs.get("data"))
+
+    def _scores(self, a: object, b: object) -> Deferred | None:
+        if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (a, b)):
+            return None
+        if a.ndim != 4 or b.ndim != 4 or a.shape[-1] != b.shape[-2] or not a.is_floating_point():
+            return None
+        if a.shape[:2] != b.shape[:2] or a.dtype != b.dtype or a.shape[-2] == 0 or b.shape[-1] == 0:
+            return None
+        shape = (a.shape[0], a.shape[1], a.shape[2], b.shape[3])
+        node = Node("scores", shape, a.dtype, a.device, q=a, kt=b, versions=_versions(a, b, ()))
+        return make(node, self.budget)
+
+    def _folded_scores(self, func, args, kwargs) -> Deferred | None:
+        """bmm(q, k^T) or bias.baddbmm(q, k^T, beta=1, alpha=a) of 3-D (B*H, ., .) tensors
+        (BLOOM's ALiBi scores): a (B*H, L, S) node until its .view(B, H, L, S)."""
+        if func in BMM:
+            if len(args) != 2 or kwargs:
+                return None
+            bias, a, b, beta, alpha = None, args[0], args[1], 1.0, 1.0
+        else:
+            names = ("input", "batch1", "batch2")
+            got = dict(zip(names, args, strict=False)) | kwargs
+            if set(got) - {*names, "beta", "alpha"} or len(args) > 3:
+                return None
+            bias, a, b = got.get("input"), got.get("batch1"), got.get("batch2")
+            beta, alpha = _number(got.get("beta", 1.0)), _number(got.get("alpha", 1.0))
+        if (
+            beta != 1.0
+            or alpha is None
+            or not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (a, b))
+        ):
+            return None
+        if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[-1] != b.shape[-2]:
+            return None
+        if a.dtype != b.dtype or not a.is_floating_point():
+            return None
+        BH, L, S = a.shape[0], a.shape[1], b.shape[2]
+        if bias is not None and (
+            not isinstance(bias, torch.Tensor) or isinstance(bias, Deferred) or bias.ndim != 3
+            or not bias.is_floating_point()
+        ):  # fmt: skip
+            return None
+        terms = () if bias is None else (("bias", bias),)  # (B*H|1, 1|L, S)
+        ops = (Op(T.mul, (_SELF, alpha), {}), *(Op(T.add, (_SELF, t), {}) for _, t in terms))
+        node = Node("scores", (BH, L, S), a.dtype, a.device, q=a, kt=b, ops=ops,
+                    spec=Spec(pre=alpha, terms=terms), folded=True,
+                    versions=_versions(a, b, ops))  # fmt: skip
+        return make(node, self.budget)
+
+    def _ones(self, args, kwargs) -> Deferred | None:
+        size = (
+            args[0] if len(args) == 1 and isinstance(args[0], tuple | list | torch.Size) else args
+        )
+        if kwargs.get("dtype") is not torch.bool or len(size) != 2:
+            return None
+        if not all(isinstance(n, int) for n in size) or set(kwargs) - {"dtype", "device"}:
+            return None
+        device = torch.device(kwargs.get("device") or "cpu")
+        return make(Marker("ones", tuple(size), torch.bool, device), self.budget)
+
+    def _additive(self, cond, a, b) -> Deferred | None:
+        """torch.where(keep, 0, fill): an additive mask of a bool keep tensor."""
+        zero, fill = self.fills.get(id(a)), self.fills.get(id(b))
+        if zero is None or fill is None or zero[0] is not a or fill[0] is not b or zero[1] != 0.0:
+            return None
+        keep = cond
+        if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
+            return None
+        if isinstance(keep, Deferred) and not isinstance(keep._node, Marker):
+            return None
+        shape = torch.broadcast_shapes(keep.shape, a.shape, b.shape)
+        m = Marker("additive", tuple(shape), a.dtype, a.device, keep=keep, fill=fill[1])
+        return make(m, self.budget)
+
+
+def with_edit(x: Deferred, edit) -> Deferred | None:
+    """x with an sdpa edit applied lazily (the edit's own fused form then runs at the
+    product with the values), or None where x cannot keep it lazily: a pattern edit on a
+    LazyPattern of a recorded call, a KnockOut (point "hook_attn_scores") on the scores
+    as one more mask term."""
+    node = x._node
+    if not isinstance(node, Node) or x._lead is not None or x._to is not None:
+        return None
+    if edit.point == "hook_attn_scores" and node.kind == "scores" and node.replayable:
+        H, L, S = node.shape[1:]
+        marker = Marker("knock", (H, L, S), torch.bool, node.device, edit=edit)
+        knocked = _wrap(x, marker)
+        got = _score_op(x, T.masked_fill, (x, knocked, -torch.inf), {})
+        return None if got is NotImplemented else got
+    if edit.point == "hook_pattern" and node.kind == "pattern" and node.replayable:
+        if node.edits:
+            raise NotSupportedError(
+                f"two sdpa edits on one attention call ({node.edits[0]!r} then {edit!r}); "
+                f"apply one per call, or compose them on a dense pattern"
+            )
+        return _wrap(x, replace(node, edits=(*node.edits, edit)))
+    return None
+
+
+def weights_pattern(w: AttentionWeights, budget: int | None = DEFAULT_MAX_BYTES) -> LazyPattern:
+    """A LazyPattern (B, H, L, S) for weights sdpa already computed (an attention call
+    through transformers' attention interface)."""
+    B, H, L, S = w.shape
+    call = Call(None, None, None, None, w)
+    node = Node("pattern", (B, H, L, S), w.dtype, w.device, call=call)
+    return LazyPattern(node, budget=budget)
+
+
+def dense_of(x: object, max_bytes: int | None = DEFAULT_MAX_BYTES) -> object:
+    """x as a plain tensor if deferred (within max_bytes), else x."""
+    return x.full(max_bytes) if isinstance(x, Deferred) else x

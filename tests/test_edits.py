@@ -1,0 +1,291 @@
+"""Pattern edits as fused calls against the same edit applied to the materialised pattern
+(the listing's math in float64), on every mask kind, with grouped-query heads; as
+TransformerLens hooks on a bridge on sdpa against the same hooks on eager."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import sdpa
+from sdpa import masks
+from sdpa.integrations import edits
+
+B, H, HKV, L, S, E = 2, 4, 2, 300, 300, 16  # 300 x 300: torch's fused kernel, not small
+ATOL = 1e-5
+MASKS = ["none", "causal", "padding", "bias", "softcap"]
+
+
+def sdpa_mask(kind: str, g: torch.Generator):
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return masks.causal()
+    if kind == "padding":
+        keep = torch.ones(B, 1, 1, S, dtype=torch.bool)
+        keep[0, ..., 250:] = False
+        return keep
+    if kind == "bias":
+        return torch.randn(B, 1, L, S, generator=g)
+    return masks.softcap(3.0, masks.causal())
+
+
+def dense_scores(q, k, mask, scale=None):
+    """The listing's masked scores (B, H, L, S) in float64, mask in sdpa's form."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = scale * (q.double() @ k.double().mT)
+    softcap = None
+    if isinstance(mask, masks.ScoreMod):
+        mask, softcap = mask.mask, mask.softcap
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if isinstance(mask, masks.Mask):
+        mask = mask.materialize(L, S)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.double()
+    return s
+
+
+def listing(q, k, v, mask, edit, scale=None):
+    """The edit applied to the materialised pattern (or scores, for a knock-out), by
+    `edit(scores, pattern)` returning the edited pattern."""
+    s = dense_scores(q, k, mask, scale)
+    p = edit(s)
+    v = v.double().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return p @ v
+
+
+def _softmax(s):
+    return torch.softmax(s, dim=-1)
+
+
+def _set(p, heads, value):
+    p = p.clone()
+    p[:, heads] = value
+    return p
+
+
+def references(ref: torch.Tensor) -> dict:
+    """Each edit written out on the dense pattern, independently of sdpa's code."""
+
+    def knock(s):
+        s = s.clone()
+        for h in (1, 2):
+            for i in (299, 200, 5):
+                s[:, h, i, [0, 3, 17]] = -math.inf
+        return _softmax(s)
+
+    def zero_pattern(s):
+        p = _softmax(s).clone()
+        p[:, :, 100:, [0, 1, 2, 77]] = 0
+        return p
+
+    def scale(s):
+        p = _softmax(s).clone()
+        p[:, 0] *= 0.5
+        p[:, 2] *= 3.0
+        return p
+
+    return {
+        "zero": lambda s: _set(_softmax(s), [1, 3], 0.0),
+        "scale": scale,
+        "knock": knock,
+        "zero_pattern": zero_pattern,
+        "mean": lambda s: _set(_softmax(s), [2], ref[:, 2].double().mean(0)),
+        "patch": lambda s: _set(_softmax(s), [0, 3], ref[:1, [0, 3]].double()),
+    }
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L, E, generator=g)
+    k = torch.randn(B, HKV, S, E, generator=g)
+    v = torch.randn(B, HKV, S, E, generator=g)
+    return q, k, v, g
+
+
+def _reference_pattern(g):
+    """A reference run's pattern: (3, H, L, S) LazyPattern-free, from its own q and k."""
+    qr = torch.randn(3, H, L, E, generator=g)
+    kr = torch.randn(3, HKV, S, E, generator=g)
+    p = torch.softmax(dense_scores(qr, kr, masks.causal()), dim=-1).float()
+    return p
+
+
+def make_edits(g):
+    ref = _reference_pattern(torch.Generator().manual_seed(0))
+    return {
+        "zero": edits.ZeroAblate([1, 3]),
+        "scale": edits.ScaleHeads({0: 0.5, 2: 3.0}),
+        "knock": edits.KnockOut([299, 200, 5], [0, 3, 17], heads=[1, 2]),
+        "zero_pattern": edits.ZeroPattern(slice(100, None), [0, 1, 2, 77]),
+        "mean": edits.MeanAblate([2], ref),
+        "patch": edits.PatchPattern(ref[:1], heads=[0, 3]),
+    }
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("name", ["zero", "scale", "knock", "zero_pattern", "mean", "patch"])
+def test_fused_equals_dense_edit(name, mask_kind, qkv):
+    q, k, v, g = qkv
+    edit = make_edits(g)[name]
+    ref = _reference_pattern(torch.Generator().manual_seed(0))
+    mask = sdpa_mask(mask_kind, g)
+    want = listing(q, k, v, mask, references(ref)[name])
+    if edit.point == "hook_attn_scores":
+        dense = listing(q, k, v, mask, lambda s: _softmax(edit.dense(s)))
+    else:
+        dense = listing(q, k, v, mask, lambda s: edit.dense(_softmax(s)))
+    torch.testing.assert_close(dense, want, atol=1e-6, rtol=0)  # the edit on the pattern
+    got = edit.fused(q, k, v, mask)
+    plain = sdpa.attention(q, k, v, mask).output
+    torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
+    assert (got - plain).abs().max() > 1e-3  # the edit changes the output
+
+
+def test_zero_pattern_carries_gradients(qkv):
+    q, k, v, _ = qkv
+    q, k, v = (t.double().requires_grad_() for t in (q[:, :, :50], k[:, :, :50], v[:, :, :50]))
+    edit = edits.ZeroPattern(slice(10, None), [0, 4])
+    mask = masks.causal()
+
+    def ref(q, k, v):
+        s = (E**-0.5) * (q @ k.repeat_interleave(2, 1).mT)
+        s = s.masked_fill(~mask.materialize(50, 50), -math.inf)
+        return edit.dense(torch.softmax(s, -1)) @ v.repeat_interleave(2, 1)
+
+    w = torch.randn(B, H, 50, E, dtype=torch.float64)
+    grads = torch.autograd.grad((edit.fused(q, k, v, mask) * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref(q, k, v) * w).sum(), (q, k, v))
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=0)
+
+
+def test_edits_refuse_bad_arguments(qkv):
+    q, k, v, _ = qkv
+    with pytest.raises(sdpa.SdpaTypeError, match="heads"):
+        edits.ZeroAblate(True).fused(q, k, v)
+    with pytest.raises(sdpa.SdpaValueError, match="out of range"):
+        edits.ZeroAblate([7]).fused(q, k, v)
+    with pytest.raises(sdpa.SdpaValueError, match="one factor per head"):
+        edits.ScaleHeads([1.0, 2.0]).fused(q, k, v)
+    with pytest.raises(sdpa.SdpaTypeError, match="1-D"):
+        edits.KnockOut(torch.ones(2, 2, dtype=torch.long), [0]).fused(q, k, v)
+
+
+def test_on_layers_is_an_edit_fn(qkv):
+    q, k, v, _ = qkv
+    fn = edits.ZeroAblate([0]).on_layers(3)
+    info = type("Info", (), {"layer": 3, "scale": None})()
+    other = type("Info", (), {"layer": 2, "scale": None})()
+    assert fn(other, q, k, v, None) is None
+    out = fn(info, q, k, v, None)
+    assert out.shape == (B, H, L, E) and out[:, 0].abs().max() == 0
+
+
+# ---- as TransformerLens hooks ----
+
+
+@pytest.fixture(scope="module")
+def bridges(tmp_path_factory):
+    pytest.importorskip("transformer_lens")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import tl_zoo
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import sdpa.integrations.transformer_lens as sdpa_tl
+
+    tl_zoo.no_installs()
+    tok = tl_zoo.tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("edits_llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = TransformerBridge.boot_transformers(str(path), tokenizer=tok, device="cpu")
+        ours = TransformerBridge.boot_transformers(str(path), tokenizer=tok, device="cpu")
+    return eager, sdpa_tl.use_sdpa(ours)
+
+
+def test_edits_as_transformer_lens_hooks(bridges):
+    from sdpa.integrations import deferred
+
+    eager, ours = bridges
+    ids = torch.randint(1000, 20000, (2, L), generator=torch.Generator().manual_seed(3))
+    other = torch.randint(1000, 20000, (2, L), generator=torch.Generator().manual_seed(4))
+    names = lambda n: n.endswith("hook_pattern")  # noqa: E731
+    with torch.no_grad():
+        _, c0 = eager.run_with_cache(other, names_filter=names)
+        _, c1 = ours.run_with_cache(other, names_filter=names)
+        base = eager(ids)
+    pairs = {
+        "zero": (edits.ZeroAblate([1, 3]),) * 2,
+        "scale": (edits.ScaleHeads({0: 0.5}),) * 2,
+        "knock": (edits.KnockOut([L - 1, 200], [0, 5, 17], heads=[1]),) * 2,
+        "zero_pattern": (edits.ZeroPattern(slice(100, None), [0, 1, 2]),) * 2,
+        "mean": (edits.MeanAblate([2], c0["pattern", 1]), edits.MeanAblate([2], c1["pattern", 1])),
+        "patch": (
+            edits.PatchPattern(c0["pattern", 1], heads=[0, 3]),
+            edits.PatchPattern(c1["pattern", 1], heads=[0, 3]),
+        ),
+    }
+    for name, (e0, e1) in pairs.items():
+        before = deferred.fallbacks()
+        with torch.no_grad():
+            want = eager.run_with_hooks(ids, fwd_hooks=e0.hooks(1))
+            got = ours.run_with_hooks(ids, fwd_hooks=e1.hooks(1))
+        assert deferred.fallbacks() == before, name  # stayed one fused call
+        assert (want - base).abs().max() > 1e-4, name
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=name)
+
+
+def test_freeze_pattern_holds_the_pattern_in_the_backward(qkv):
+    q, k, v, _ = qkv
+    q, k, v = (t.double().requires_grad_() for t in (q[:, :, :60], k[:, :, :60], v[:, :, :60]))
+    edit = edits.FreezePattern(heads=[1, 2])
+
+    def ref(q, k, v):
+        s = (E**-0.5) * (q @ k.repeat_interleave(2, 1).mT)
+        s = s.masked_fill(~masks.causal().materialize(60, 60), -math.inf)
+        p = torch.softmax(s, -1).clone()
+        p[:, [1, 2]] = p[:, [1, 2]].detach()
+        return p @ v.repeat_interleave(2, 1)
+
+    w = torch.randn(B, H, 60, E, dtype=torch.float64)
+    got = edit.fused(q, k, v, masks.causal())
+    torch.testing.assert_close(got, sdpa.attention(q, k, v, masks.causal()).output, atol=1e-12,
+                               rtol=0)  # fmt: skip
+    grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref(q, k, v) * w).sum(), (q, k, v))
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=0)
+    assert grads[0][:, 1:3].abs().max() == 0  # q gets nothing through the frozen heads
+    assert grads[0][:, 0].abs().max() > 0  # and its share through the others
+
+
+def test_freeze_pattern_as_a_transformer_lens_hook(bridges):
+    eager, ours = bridges
+    ids = torch.randint(1000, 20000, (1, L), generator=torch.Generator().manual_seed(5))
+    hooks = edits.FreezePattern([0, 2]).hooks(1)
+    grads = []
+    for bridge in (eager, ours):
+        bridge.zero_grad()
+        bridge.run_with_hooks(ids, return_type="loss", fwd_hooks=hooks).backward()
+        q = bridge.blocks[1].attn.q.original_component.weight.grad.clone()
+        v = bridge.blocks[1].attn.v.original_component.weight.grad.clone()
+        grads.append((q, v))
+    (q0, v0), (q1, v1) = grads
+    torch.testing.assert_close(q1, q0, atol=1e-6, rtol=0)
+    torch.testing.assert_close(v1, v0, atol=1e-6, rtol=0)

@@ -1,0 +1,424 @@
+"""TransformerLens' TransformerBridge on sdpa against TransformerLens on eager.
+
+Tiny random models (float32), booted offline (a saved local folder, or hf_model=) with
+MiniLM's tokenizer. Hooks, caches, gradients, padding and generation are compared to
+the same calls on eager at 1e-5; the whole zoo runs in scripts/tl_zoo.py, a named
+subset of families here.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformer_lens")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import tl_zoo
+from transformer_lens.model_bridge import TransformerBridge
+
+import sdpa
+from sdpa.integrations import deferred
+from sdpa.integrations import transformer_lens as sdpa_tl
+
+pytestmark = pytest.mark.small_shapes  # the engines as users get them (small and fused)
+ATOL = 1e-5
+L_FUSED = 300  # 300 x 300 scores per head: past the small backend, torch's fused kernel
+
+# One family per attention-bridge kind and mask feature: rotary with grouped-query heads
+# (Llama), joint QKV (GPT-2), softcap and sliding windows (Gemma 2), partial rotary
+# (GPT-NeoX), delegating encoders (BERT), ALiBi (Bloom), relative position bias in an
+# encoder-decoder (T5), sliding windows with biases (Qwen 2).
+FAMILIES = [
+    "LlamaForCausalLM",
+    "GPT2LMHeadModel",
+    "Gemma2ForCausalLM",
+    "GPTNeoXForCausalLM",
+    "BertForMaskedLM",
+    "BloomForCausalLM",
+    "T5ForConditionalGeneration",
+    "Qwen2ForCausalLM",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tl_zoo.no_installs()
+    return tl_zoo.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory, tok):
+    """A tiny random Llama (4 heads, 2 key/value heads) saved to a local folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def boot(path, tok, on_sdpa: bool, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bridge = TransformerBridge.boot_transformers(path, tokenizer=tok, device="cpu")
+    return sdpa_tl.use_sdpa(bridge, **kwargs) if on_sdpa else bridge
+
+
+@pytest.fixture(scope="module")
+def pair(llama_path, tok):
+    """(TransformerLens on eager, the same model on sdpa)."""
+    return boot(llama_path, tok, False), boot(llama_path, tok, True)
+
+
+def tokens(B=2, L=L_FUSED, seed=1):
+    return torch.randint(1000, 20000, (B, L), generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, atol=ATOL):
+    torch.testing.assert_close(deferred.dense_of(a, None), deferred.dense_of(b, None),
+                               atol=atol, rtol=0)  # fmt: skip
+
+
+PATTERNS = lambda name: name.endswith(("hook_pattern", "hook_attn_scores"))  # noqa: E731
+
+
+@pytest.mark.parametrize("architecture", FAMILIES)
+def test_family_matches_eager_fused(architecture, tok):
+    """Logits, every cached hook value and two hooked runs (a user's hook, an sdpa edit)
+    equal TransformerLens on eager; the attention ran fused (no dense fallback)."""
+    res = tl_zoo.run(architecture, tok)
+    assert res.status == "match", (res.status, res.detail, res.max_diff)
+    assert res.max_diff <= ATOL
+
+
+class _Scores(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that make a tensor as large as every score of the call,
+    (B, H, L, S): eager's scores and patterns (sdpa's engines work in smaller tiles)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.shape, self.made = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.ndim >= 2 and t.shape[-2:] == self.shape[-2:]:
+                self.made += t.numel() >= math.prod(self.shape)
+        return out
+
+
+def test_forward_is_fused_without_scores(pair):
+    """No hook on the patterns: logits equal eager's, and no op allocates the
+    (B, H, L, L) scores (eager does)."""
+    eager, ours = pair
+    ids = tokens()
+    B, L = ids.shape
+    shape = (B, ours.cfg.n_heads, L, L)
+    with torch.no_grad():
+        with _Scores(*shape) as seen_eager:
+            want = eager(ids)
+        with _Scores(*shape) as seen:
+            got = ours(ids)
+    close(got, want)
+    assert seen_eager.made >= 2 * ours.cfg.n_layers  # eager: scores and patterns per layer
+    assert seen.made == 0  # nothing (B, H, L, L)
+
+
+def test_cache_keeps_patterns_lazily(pair):
+    eager, ours = pair
+    ids = tokens()
+    with torch.no_grad():
+        _, c0 = eager.run_with_cache(ids, names_filter=PATTERNS)
+        _, c1 = ours.run_with_cache(ids, names_filter=PATTERNS)
+    p, s = c1["pattern", 1], c1["attn_scores", 0]
+    assert isinstance(p, sdpa_tl.LazyPattern) and isinstance(s, sdpa_tl.LazyScores)
+    assert isinstance(p.weights, sdpa.AttentionWeights)
+    want = c0["pattern", 1]
+    close(p, want)
+    close(s, c0["attn_scores", 0])  # the masked scores, fill values included
+    close(p[1, 2, -1], want[1, 2, -1])  # a row
+    close(p[0, 3], want[0, 3])  # a lazy view, densified
+    close(p[..., 7], want[..., 7])  # a key column
+    close(p[:, :, 10:20, [0, 5]], want[:, :, 10:20][..., [0, 5]])
+    close(p.sum(dim=-2), want.sum(-2))
+    close(p.mean(dim=-2), want.mean(-2))
+    close(p[1].sum(dim=-2), want[1].sum(-2))  # a view, in row chunks
+    close(p.sum(dim=-1), want.sum(-1))
+    close(p.amax(dim=-1), want.amax(-1))
+    close(p.topk(4)[0], want.topk(4).values)
+    h = -(want * want.clamp_min(1e-38).log()).sum(-1)
+    close(p.entropy(), h, atol=1e-4)
+    close(p[0].entropy(), h[0], atol=1e-4)
+    close(s[0, 1, 5], c0["attn_scores", 0][0, 1, 5])
+    assert p.lse.shape == want.shape[:-1]
+
+
+def test_activation_cache_calls(pair):
+    eager, ours = pair
+    ids = tokens(B=3, L=40)
+    with torch.no_grad():
+        _, c0 = eager.run_with_cache(ids, names_filter=PATTERNS)
+        _, c1 = ours.run_with_cache(ids, names_filter=PATTERNS)
+    stack = c1.stack_activation("pattern")
+    assert isinstance(stack, deferred.LazyStack)
+    close(stack, c0.stack_activation("pattern"))
+    close(stack[1, 2, 0, -1], c0.stack_activation("pattern")[1, 2, 0, -1])
+    close(stack.sum(dim=-2), c0.stack_activation("pattern").sum(-2))
+    for batch in ([0, 2], (1, 3), 1):
+        s0, s1 = c0.apply_slice_to_batch_dim(batch), c1.apply_slice_to_batch_dim(batch)
+        assert isinstance(s1["pattern", 0], sdpa_tl.LazyPattern)
+        close(s1["pattern", 0], s0["pattern", 0])
+        close(s1["pattern", 0].sum(dim=-2), s0["pattern", 0].sum(-2))
+    close(c1.to("cpu")["pattern", 1], c0.to("cpu")["pattern", 1])
+    for pos in (-1, (2, 10), [0, 5]):
+        with torch.no_grad():
+            _, p0 = eager.run_with_cache(ids, names_filter=PATTERNS, pos_slice=pos)
+            _, p1 = ours.run_with_cache(ids, names_filter=PATTERNS, pos_slice=pos)
+        close(p1["pattern", 0], p0["pattern", 0])
+    with torch.no_grad():
+        _, r0 = eager.run_with_cache(ids[:1], names_filter=PATTERNS)
+        _, r1 = ours.run_with_cache(ids[:1], names_filter=PATTERNS)
+    r0.remove_batch_dim(), r1.remove_batch_dim()
+    assert r1["pattern", 0].shape == r0["pattern", 0].shape
+    close(r1["pattern", 0], r0["pattern", 0])
+    close(r1["pattern", 0][2].sum(dim=-2), r0["pattern", 0][2].sum(-2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            r1.toggle_autodiff(False)
+            close(r1["pattern", 1][0, -1], r0["pattern", 1][0, -1])
+        finally:
+            r1.toggle_autodiff(True)
+
+
+def test_dense_needs_the_budget(llama_path, tok):
+    ours = boot(llama_path, tok, True, max_dense_bytes=4096)
+    with torch.no_grad():
+        _, cache = ours.run_with_cache(tokens(B=1, L=64), names_filter=PATTERNS)
+    p = cache["pattern", 0]
+    assert p[0, 0, 5].shape == (64,)  # rows are within the budget
+    with pytest.raises(sdpa.WeightsTooLargeError, match=r"max_bytes=4,096.*rows"):
+        p.numpy()  # circuitsvis and numpy need every value
+    with pytest.raises(sdpa.WeightsTooLargeError):
+        p * 2
+    assert p.full(max_bytes=None).shape == (1, 4, 64, 64)
+    with pytest.raises(sdpa.SdpaTypeError, match="in place"):
+        p[0, 0, 0] = 1.0
+
+
+def test_user_hooks_get_eager_tensors(pair):
+    """A user's hook on hook_pattern / hook_attn_scores gets the dense tensor eager gives,
+    and what it returns is used for the output."""
+    eager, ours = pair
+    ids = tokens(L=64)
+    seen = []
+
+    def edit(pattern, hook):
+        seen.append(type(pattern))
+        out = pattern.clone()
+        out[:, 1] = out[:, 1].flip(-1).tril()
+        return out
+
+    def scores(s, hook):
+        seen.append(type(s))
+        return s * 0.5
+
+    hooks = [("blocks.0.attn.hook_pattern", edit), ("blocks.1.attn.hook_attn_scores", scores)]
+    with torch.no_grad():
+        want = eager.run_with_hooks(ids, fwd_hooks=hooks)
+        plain = eager(ids)
+        got = ours.run_with_hooks(ids, fwd_hooks=hooks)
+    assert seen == [torch.Tensor] * 4
+    assert (want - plain).abs().max() > 1e-3  # the hooks change the output
+    close(got, want)
+
+
+def test_gradients_through_the_fused_path(pair):
+    ids = tokens(B=1)
+    grads = []
+    for bridge in pair:
+        bridge.zero_grad()
+        loss = bridge(ids, return_type="loss")
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in bridge.original_model.parameters()
+                                      if p.grad is not None]))  # fmt: skip
+    (l0, g0), (l1, g1) = grads
+    close(l1, l0)
+    assert len(g0) == len(g1) > 0
+    for a, b in zip(g0, g1, strict=True):
+        close(b, a, atol=1e-5)
+
+
+def test_incl_bwd_gives_dense_pattern_gradients(pair):
+    eager, ours = pair
+    ids = tokens(B=1, L=32)
+    _, c0 = eager.run_with_cache(ids, return_type="loss", incl_bwd=True, names_filter=PATTERNS)
+    _, c1 = ours.run_with_cache(ids, return_type="loss", incl_bwd=True, names_filter=PATTERNS)
+    grads = [k for k in c0 if k.endswith("_grad")]
+    assert grads and sorted(c0) == sorted(c1)
+    for k in c0:
+        assert type(c1[k]) is torch.Tensor
+        close(c1[k], c0[k])
+
+
+def test_left_padding_and_generation(pair):
+    eager, ours = pair
+    ids = tokens(L=40)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    with torch.no_grad():
+        want, got = eager(ids, attention_mask=mask), ours(ids, attention_mask=mask)
+    close(got[0, 7:], want[0, 7:])  # rows that see a key (padded rows: 0 here, uniform there)
+    close(got[1], want[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g0 = eager.generate(ids[:1, :10], max_new_tokens=6, do_sample=False, verbose=False)
+        g1 = ours.generate(ids[:1, :10], max_new_tokens=6, do_sample=False, verbose=False)
+    assert torch.equal(g0, g1)
+
+
+def test_compatibility_mode(llama_path, tok):
+    """enable_compatibility_mode (folded weights, -inf masking, NaN scrub) stays fused."""
+    eager, ours = boot(llama_path, tok, False), boot(llama_path, tok, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager.enable_compatibility_mode()
+        ours.enable_compatibility_mode()
+    sdpa_tl.use_sdpa(ours)
+    ids = tokens(L=64)
+    before = deferred.fallbacks()
+    with torch.no_grad():
+        l0, c0 = eager.run_with_cache(ids, names_filter=PATTERNS)
+        l1, c1 = ours.run_with_cache(ids, names_filter=PATTERNS)
+    assert deferred.fallbacks() == before
+    close(l1, l0)
+    close(c1["pattern", 1], c0["pattern", 1])
+    close(c1["attn_scores", 1], c0["attn_scores", 1])
+
+
+def test_restore_and_refusals(llama_path, tok):
+    bridge = boot(llama_path, tok, True)
+    attn = bridge.blocks[0].attn
+    assert sdpa_tl.is_on_sdpa(bridge) and "forward" in vars(attn)
+    assert bridge.original_model.config._attn_implementation == sdpa_tl.NAME
+    sdpa_tl.restore(bridge)
+    assert not sdpa_tl.is_on_sdpa(bridge) and "forward" not in vars(attn)
+    assert bridge.original_model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(tokens(B=1, L=16), names_filter=PATTERNS)
+    assert type(cache["pattern", 0]) is torch.Tensor
+    with pytest.raises(sdpa.SdpaValueError, match="not on sdpa"):
+        sdpa_tl.restore(bridge)
+    with pytest.raises(sdpa.SdpaTypeError, match="TransformerBridge"):
+        sdpa_tl.use_sdpa(torch.nn.Linear(2, 2))
+    with pytest.raises(sdpa.SdpaTypeError, match="max_bytes"):
+        sdpa_tl.use_sdpa(bridge, max_dense_bytes=-1)
+
+
+def _listing(q, k, v, L, S, causal_fill, bias=None, softcap=None, compat=False, sinks=None):
+    """Eager attention code as TransformerLens writes it (the ops the interception
+    must understand): scale, softcap, tril causal mask, additive mask, attention sinks
+    (GPT-OSS: a logit column concatenated, the row max subtracted, dropped after the
+    softmax), softmax, P @ v."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    causal = torch.tril(torch.ones(L, S, dtype=torch.bool), diagonal=S - L)
+    s = s.masked_fill(~causal, causal_fill)
+    if bias is not None:
+        s = s + torch.where(bias, torch.zeros(()), torch.full((), causal_fill))
+    if sinks is not None:
+        column = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, L, -1)
+        s = torch.cat([s, column], dim=-1)
+        s = s - s.max(dim=-1, keepdim=True).values
+        p = torch.nn.functional.softmax(s, dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.matmul(p, v), p, s
+    if compat:
+        dead = torch.isneginf(s).all(dim=-1, keepdim=True)
+        p = torch.nn.functional.softmax(s.masked_fill(dead, 0.0), dim=-1, dtype=torch.float32)
+        p = p.masked_fill(dead, 0.0)
+        p = torch.where(torch.isnan(p), torch.zeros_like(p), p)
+    else:
+        p = torch.nn.functional.softmax(s, dim=-1, dtype=torch.float32)
+    p = torch.nn.functional.dropout(p, p=0.0, training=False)
+    return torch.matmul(p, v), p, s
+
+
+@pytest.mark.parametrize("variant", ["causal", "decode", "softcap", "padding", "compat", "sinks"])
+def test_intercept_understands_eager_code(variant):
+    g = torch.Generator().manual_seed(0)
+    L, S = (4, 17000) if variant == "decode" else (300, 300)  # past the small backend
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (L, S, S))
+    kwargs = {"causal_fill": -torch.inf if variant == "compat" else torch.finfo(q.dtype).min}
+    if variant == "softcap":
+        kwargs["softcap"] = 2.0
+    if variant == "padding":
+        keep = torch.ones(2, 1, L, S, dtype=torch.bool)
+        keep[0, ..., :9] = False
+        kwargs["bias"] = keep
+    kwargs["compat"] = variant == "compat"
+    if variant == "sinks":
+        kwargs["sinks"] = torch.randn(4, generator=g)
+    want, want_p, want_s = _listing(q, k, v, L, S, **kwargs)
+    before = deferred.fallbacks()
+    # (the softcap runs on sdpa's chunked engine: tiles of at most chunk_bytes)
+    with (
+        _Scores(2, 4, L, S) as seen,
+        sdpa.settings.override(chunk_bytes=2**16),
+        deferred.Intercept(),
+    ):
+        got, p, s = _listing(q, k, v, L, S, **kwargs)
+    assert deferred.fallbacks() == before
+    assert seen.made == 0  # the scores were never formed
+    assert isinstance(p, deferred.LazyPattern) and isinstance(s, deferred.LazyScores)
+    assert p.shape == (2, 4, L, S)
+    valid = slice(None) if variant != "padding" else (slice(None), slice(None), slice(9, None))
+    close(got[valid], want[valid])  # rows that see no key: 0 on sdpa, uniform on eager
+    close(p, want_p)  # replayed exactly there (the fill values are eager's)
+    close(s, want_s)
+    if variant == "padding":
+        close(p[0, 1, 3], want_p[0, 1, 3])  # a row that sees no key, read as eager's
+
+
+def test_unknown_op_falls_back_to_eager_values():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 50, 8, generator=g) for _ in range(3))
+
+    def code(q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1))
+        s = torch.exp(s / 8)  # not a softmax sdpa knows
+        return torch.matmul(s / s.sum(-1, keepdim=True), v)
+
+    want = code(q, k, v)
+    with pytest.warns(RuntimeWarning, match="densely, as eager does"), deferred.Intercept():
+        got = code(q, k, v)
+    assert type(got) is torch.Tensor
+    close(got, want)
+
+
+def test_unfused_names_attention_that_ran_eagerly(pair, monkeypatch):
+    _, ours = pair
+    ids = tokens(B=1, L=32)
+    with torch.no_grad():
+        ours(ids)
+    assert sdpa_tl.unfused(ours) == {}
+    with torch.no_grad():
+        ours.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_pattern", lambda p, hook: p)])
+    assert list(sdpa_tl.unfused(ours)) == ["blocks.0.attn"]
+    assert "hook" in sdpa_tl.unfused(ours)["blocks.0.attn"]
+    monkeypatch.setattr(deferred.Intercept, "_scores", lambda self, a, b: None)  # unrecognised
+    with torch.no_grad():
+        ours(ids)
+    assert sorted(sdpa_tl.unfused(ours)) == ["blocks.0.attn", "blocks.1.attn"]
+    with pytest.raises(sdpa.SdpaValueError, match="not on sdpa"):
+        sdpa_tl.unfused(torch.nn.Linear(2, 2))
