@@ -73,6 +73,7 @@ bench: $(VENV)/.dev $(KVENV)/.kvpress
 	$(PY) benchmarks/bench_diffusers.py --json benchmarks/results/diffusers.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_view.py --json benchmarks/results/view.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_interp.py --json benchmarks/results/interp.json
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_train.py --json benchmarks/results/train.json
 	HF_HUB_OFFLINE=1 $(KVPY) benchmarks/bench_kvpress.py --json benchmarks/results/kvpress.json
 
 clean:

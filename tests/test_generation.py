@@ -243,8 +243,8 @@ def test_statistics_refuse_two_modules_with_one_layer_index(llama):
     "kwargs,match",
     [
         ({"stats": ("received", "attention")},
-         r"stats must name statistics from \('received', 'entropy', 'last_row'\), got unknown "
-         r"\['attention'\]"),
+         r"stats must name statistics from \('received', 'entropy', 'last_row', 'max_logits'\), "
+         r"got unknown \['attention'\]"),
         ({"stats": "recieved"}, r"got unknown \['recieved'\]"),
         ({"on_call": 3}, r"on_call must be a callable taking \(layer, weights\), got 3"),
         ({"keep": "yes"}, r"keep must be True, False or None, got 'yes'"),

@@ -18,6 +18,14 @@ function without it, such as GPT-2, OPT or SigLIP). `register(lazy_weights=True)
 registers a variant that returns the lazy AttentionWeights as every attention module's
 second output (for tools that read it, such as kvpress presses).
 
+Training: the attentions and every read of the weights are differentiable. With
+`output_attentions=True` the dense attentions (B, H, L, S) per layer carry eager's
+gradients (they cost what eager's do: L x S floats per head and layer, and their
+backward takes an L x S gradient); they are the weights *before* dropout, where eager
+returns them after it (equal at dropout 0). `capture`'s statistics and kept handles
+carry gradients in O(L + S) per layer: an entropy regulariser or an attention KL
+against a teacher's capture without L x S (docs/guide/training.md).
+
 What each model passes is honoured exactly as its eager path does: attention sinks
 (`s_aux`, `sinks`), `softcap`, relative-position bias (`position_bias`), top-k key
 `indices`; a keyword this function does not know raises, naming it and the model.
@@ -117,7 +125,7 @@ _here: contextvars.ContextVar[tuple[Capture, ...]] = contextvars.ContextVar(
 )
 _stamping = threading.Lock()  # opening and closing captures write modules' _OPEN
 
-STATS = ("received", "entropy", "last_row")
+STATS = ("received", "entropy", "last_row", "max_logits")
 
 
 class _Open(tuple):
@@ -142,13 +150,21 @@ class Capture:
         step), averaged over the Hq / Hkv query heads that share each key/value head.
     entropy: layer -> one (B, Hq, L) tensor per call, in nats.
     last_row: layer -> one (B, Hq, S) tensor per call: the weights of the last query.
+    max_logits: layer -> one (B, Hq) tensor per call: each head's largest raw score
+        (after the scale and any float mask, before the softmax), as QK-clip reads it.
     B: batch, Hq / Hkv: query / key-value heads, L: queries of the call, S: keys.
+
+    With grad enabled, where the call's q or k require grad (a model training),
+    received, entropy and last_row carry their gradients, tile by tile (never L x S):
+    a loss may use them. max_logits is forward only: computed without grad, it
+    requires no grad (QK-clip reads it outside the loss).
     """
 
     weights: list[AttentionWeights] = field(default_factory=list)
     received: dict[int, torch.Tensor] = field(default_factory=dict)
     entropy: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     last_row: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    max_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     stats: tuple[str, ...] = ()
     on_call: Callable[[int, AttentionWeights], object] | None = field(default=None, repr=False)
     keep: bool = True
@@ -167,7 +183,11 @@ class Capture:
         self, module: torch.nn.Module, weights: AttentionWeights, kv_heads: int, sliding: bool
     ) -> None:
         """Inside the attention call: keep the handle, compute the statistics asked for
-        from the fresh weights, then call on_call."""
+        from the fresh weights (with their gradients where grad is on), then call
+        on_call. A call made while autograd runs a backward pass is activation
+        checkpointing recomputing the layer: it was recorded when it first ran."""
+        if _in_backward():
+            return
         with self._lock:
             if not self._open:  # a replica kept after the block still names this capture
                 return
@@ -177,8 +197,7 @@ class Capture:
                 return
             layer = self._layer(module)
             if self.stats:
-                with torch.no_grad():
-                    self._add_stats(layer, module, weights, kv_heads, sliding)
+                self._add_stats(layer, module, weights, kv_heads, sliding)
             if self.on_call is not None:
                 self.on_call(layer, weights)
 
@@ -209,6 +228,9 @@ class Capture:
             self.entropy.setdefault(layer, []).append(w.entropy())  # (B, Hq, L)
         if "last_row" in self.stats:
             self.last_row.setdefault(layer, []).append(w[:, :, -1])  # (B, Hq, S)
+        if "max_logits" in self.stats:
+            with torch.no_grad():  # forward only
+                self.max_logits.setdefault(layer, []).append(w.max_logits().head)  # (B, Hq)
         if "received" not in self.stats:
             return
         B, Hq, L, S = w.shape
@@ -229,9 +251,20 @@ class Capture:
             )
         elif total.shape[-1] < start + S:  # new keys start at 0
             total = torch.nn.functional.pad(total, (0, start + S - total.shape[-1]))
-        keys = total if start == 0 and total.shape[-1] == S else total[..., start : start + S]
-        keys.add_(got, alpha=kv_heads / Hq)  # the mean over each group's query heads, as kvpress
+        share = kv_heads / Hq  # the mean over each group's query heads, as kvpress
+        if got.requires_grad:  # out of place: the earlier sums stay in the autograd graph
+            pad = (start, total.shape[-1] - start - S)
+            total = total + torch.nn.functional.pad(got * share, pad)
+        else:
+            keys = total if start == 0 and total.shape[-1] == S else total[..., start : start + S]
+            keys.add_(got, alpha=share)
         self.received[layer] = total
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (where activation
+    checkpointing, reentrant or not, reruns a layer's forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _model_name(module: torch.nn.Module) -> str:
@@ -411,7 +444,8 @@ def attention_forward(
     function), float (added), or None; then dropout, scaling, is_causal, position_bias,
     softcap, s_aux, sinks, indices and the keywords in HARMLESS -> output (B, L, H, D)
     and the dense weights (B, H, L, S) when attentions are asked for (see the module
-    docstring), else None.
+    docstring), else None. The weights carry gradients to q, k and a float mask where
+    those require grad (before dropout: eager's after it).
     """
     out, weights = _run(module, query, key, value, attention_mask, *args, **kwargs)
     if not _attentions_wanted(kwargs):
@@ -604,17 +638,21 @@ def capture(
     replicas) are recorded too; a second capture of the same modules opened in another
     thread or task at the same time is refused (each would see the other's calls).
 
-    stats: any of "received", "entropy", "last_row" (see Capture for shapes), computed
-        from each call's fresh weights before the call returns: a StaticCache writes
-        keys in place, after which lazy weights refuse to answer. received accumulates
-        in O(S) memory per layer over every call of the block (prefill and each decode
-        step: the H2O / kvpress "observed attention" score); it grows with a
-        DynamicCache (new keys start at 0), has the cache length with a StaticCache,
-        and is indexed by token position for sliding-window layers. Query rows that see
-        no key (left padding) have weights 0: they add nothing to received and have
-        entropy 0 (eager gives them uniform weights over every key). A block holds one
-        batch: a second generate in the same block adds to the same sums, token
-        position by token position.
+    stats: any of "received", "entropy", "last_row", "max_logits" (see Capture for
+        shapes), computed from each call's fresh weights before the call returns: a
+        StaticCache writes keys in place, after which lazy weights refuse to answer.
+        received accumulates in O(S) memory per layer over every call of the block
+        (prefill and each decode step: the H2O / kvpress "observed attention" score); it
+        grows with a DynamicCache (new keys start at 0), has the cache length with a
+        StaticCache, and is indexed by token position for sliding-window layers. Query
+        rows that see no key (left padding) have weights 0: they add nothing to received
+        and have entropy 0 (eager gives them uniform weights over every key). A block
+        holds one batch: a second generate in the same block adds to the same sums,
+        token position by token position. In training (grad enabled, parameters
+        requiring grad) received, entropy and last_row carry their gradients in O(L + S)
+        memory per layer; max_logits is forward only (it requires no grad). Under
+        sdpa.frozen() with grad enabled they refuse, as every read of frozen weights
+        does: keep=True and read the handles under torch.no_grad() instead.
     on_call: called as on_call(layer, weights) inside each attention call, before the
         next one (one call at a time, from the thread that made it); layer is
         module.layer_idx, or the module's position in the forward pass for modules
@@ -622,7 +660,17 @@ def capture(
     keep: append each call's lazy AttentionWeights (B, Hq, L, S) to cap.weights, in call
         order: rows, sums, entropy, top-k of any layer without the dense L x S tensors
         (default: only when neither stats nor on_call is given). Each handle pins that
-        call's query and key tensors; over a long generation that adds up.
+        call's query and key tensors; over a long generation that adds up. Reads of
+        kept handles carry gradients as every read does: attention distillation is
+        `student.weights[-1].kl(teacher.weights[-1])` on two captures' handles (the
+        teacher's taken under torch.no_grad()), KL(teacher || student) per query row.
+
+    Activation checkpointing (transformers' activation_checkpointing_enable, formerly
+    gradient_checkpointing_enable, or torch.utils.checkpoint) reruns each layer in the
+    backward: those reruns are not recorded (each call is recorded once, when it first
+    ran). With use_reentrant=True the first run is under torch.no_grad(), so what it
+    records carries no gradient; use use_reentrant=False (transformers' default) to
+    train on captured statistics.
 
     Under torch.compile, while a block is open, each attention call of `model` runs
     outside the compiled graph (one graph break per call), so that it is captured; a

@@ -1,0 +1,155 @@
+"""Ring attention's weights carry gradients: every read of RingWeights, summed over the
+ranks, gives the key and query shards the gradient single-process sdpa.attention gives
+the whole sequence (2 gloo processes); ranks that disagree on gradients raise at once."""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is not available",
+)
+
+WORLD = 2
+B, HQ, HKV, L, E = 2, 4, 2, 16, 8  # L = S: the whole sequence, n = L / WORLD per rank
+
+
+def _reads(w, g, own_q, own_k, picked):
+    """A loss over every read of the weights w (this rank's rows, or the whole), each
+    weighted by a fixed random tensor of the whole sequence sliced to w's rows (own_q)
+    and keys (own_k); picked: w's row indices of the rows read one by one."""
+    values, _ = w.topk(3)
+    parts = [
+        (w.entropy() * g["rows"][..., own_q]).sum(),
+        (w.sum(dim=-2) * g["keys"][..., own_k]).sum(),
+        (values * g["top"][..., own_q, :]).sum(),
+        (w.full() * g["full"][..., own_q, :]).sum(),
+        (w[1, :, picked] * g["full"][1, :, own_q[picked]]).sum(),
+        (w.amax() * g["rows"][..., own_q]).sum(),
+        (w.lse * g["rows"][..., own_q]).sum(),
+    ]
+    return sum(parts)
+
+
+def grads_case(rank, world, *, layout, causal):
+    """|ours - single process| of dq and dk on this rank's shards, and of the loss."""
+    import sdpa
+    from sdpa import distributed as sd
+
+    gen = torch.Generator().manual_seed(0)  # the same whole sequence on every rank
+    q, k, v = (torch.randn(B, h, L, E, generator=gen) for h in (HQ, HKV, HKV))
+    g = {
+        "rows": torch.randn(B, HQ, L, generator=gen),
+        "keys": torch.randn(B, HQ, L, generator=gen),
+        "top": torch.randn(B, HQ, L, 3, generator=gen),
+        "full": torch.randn(B, HQ, L, L, generator=gen),
+    }
+    every = torch.arange(L)
+    pos = [sd.positions(L // world, r, world, layout) for r in range(world)]
+    whole = [t.clone().requires_grad_() for t in (q, k)]
+    w = sdpa.attention(*whole, v, causal=causal).weights
+    total = _reads(w, g, every, every, [int(p[2]) for p in pos])  # row 2 of each rank
+    total.backward()
+    parts = [sd.shard(t, rank, world, layout=layout).clone().requires_grad_() for t in (q, k)]
+    vs = sd.shard(v, rank, world, layout=layout)
+    ours = sd.ring_attention(*parts, vs, causal=causal, layout=layout, timeout=60).weights
+    mine = _reads(ours, g, pos[rank], pos[rank], [2])
+    mine.backward()  # a collective: every rank runs it
+    loss = mine.detach().clone()
+    dist.all_reduce(loss)
+    return {
+        "dq": (parts[0].grad - sd.shard(whole[0].grad, rank, world, layout=layout)).abs().max(),
+        "dk": (parts[1].grad - sd.shard(whole[1].grad, rank, world, layout=layout)).abs().max(),
+        "dk_size": whole[1].grad.abs().max(),
+        "loss": (loss - total.detach()).abs(),
+    }
+
+
+def disagree_case(rank, world):
+    """Rank 0's shards require grad, rank 1's do not: the error each rank raises."""
+    from sdpa import distributed as sd
+
+    q = torch.randn(1, 2, 8, 4, requires_grad=rank == 0)
+    w = sd.ring_attention(q, q, q, timeout=30).weights
+    try:
+        w.entropy()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+CASES = {"grads": grads_case, "disagree": disagree_case}
+
+
+def worker(rank, world, port, tasks, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    while (task := tasks.get()) is not None:
+        name, kwargs = task
+        try:
+            results.put((rank, None, CASES[name](rank, world, **kwargs)))
+        except Exception as e:
+            results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ring():
+    import ring_cases  # (the suite's free port)
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results, queues = ctx.Queue(), [ctx.Queue() for _ in range(WORLD)]
+    port = ring_cases.free_port()
+    procs = [
+        ctx.Process(target=worker, args=(r, WORLD, port, queues[r], results), daemon=True)
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+
+    def run(name, **kwargs):
+        for q in queues:
+            q.put((name, kwargs))
+        got, deadline = {}, time.monotonic() + 120
+        while len(got) < WORLD:
+            rank, error, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            got[rank] = (error, value)
+        return [got[r] for r in range(WORLD)]
+
+    yield run
+    for q in queues:
+        q.put(None)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+
+
+@pytest.mark.parametrize(
+    "layout,causal", [("contiguous", False), ("zigzag", True)], ids=["contiguous", "zigzag"]
+)
+def test_every_read_of_ring_weights_gives_single_process_gradients(ring, layout, causal):
+    for rank, (error, errors) in enumerate(ring("grads", layout=layout, causal=causal)):
+        assert error is None, f"rank {rank}: {error}"
+        assert errors["dk_size"] > 0.1  # the reads do reach the keys
+        assert errors["loss"] < 1e-4, errors
+        assert errors["dq"] < 1e-4 and errors["dk"] < 1e-4, (rank, errors)
+
+
+def test_ranks_that_differ_on_gradients_raise_at_once(ring):
+    answers = ring("disagree")
+    for rank, (error, said) in enumerate(answers):
+        assert error is None, f"rank {rank}: {error}"
+        assert said is not None and said.startswith("RingError"), said
+        assert "gradients to different shards" in said
+        assert "rank 0 ['query', 'key'], rank 1 none" in said
