@@ -34,6 +34,7 @@ A block that raises fails the test with its page, line number and the traceback.
 from __future__ import annotations
 
 import importlib.util
+import linecache
 import os
 import re
 import shlex
@@ -131,7 +132,13 @@ def run_in_namespace(items: list[Block], namespace: dict) -> list[str]:
             skipped.append(code)
         if how != "namespace":
             continue
-        compiled = compile("\n" * (block.line - 1) + code, str(block.page), "exec")
+        # each block under its own name, registered in linecache as the source it is:
+        # tracebacks show its lines, and tools that read their caller's source (nnsight's
+        # patched Tensor.backward parses it on every call) get Python, not the page
+        source = "\n" * (block.line - 1) + code
+        name = f"{block.page}:{block.line}"
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+        compiled = compile(source, name, "exec")
         try:
             exec(compiled, namespace)
         except Exception:
@@ -327,7 +334,7 @@ def test_the_runner_finds_blocks_and_fails_on_a_broken_one():
         run_in_namespace(found, namespace)
     message = str(failed.value)
     assert "SAMPLE.md line 15" in message and "NameError" in message
-    assert 'SAMPLE.md", line 16' in message  # the traceback points at the page's line
+    assert 'SAMPLE.md:15", line 16' in message  # the traceback points at the page's line
     assert namespace["y"] == 42  # the earlier blocks ran, in order, in one namespace
     good = [b for b in found if b.line != 15]
     assert run_in_namespace(good, {}) == [

@@ -6,9 +6,9 @@ this thread or asyncio task only (a `contextvars.ContextVar`), and restores them
 exit. The defaults were measured on CPU with benchmarks/; none changes a result beyond
 rounding, only which engine computes it and how much memory it takes at once.
 
-    with sdpa.settings.override(chunk_bytes=16 * 2**20):   # smaller tiles, less memory
+    with sdpa.settings.override(chunk_bytes=2**20):   # smaller tiles, less memory
         w.sum(dim=-2)
-    sdpa.settings.get().chunk_bytes                        # 67108864 again
+    sdpa.settings.get().chunk_bytes                   # 4194304 again
 
 Lowest layer: imports only sdpa.errors.
 """
