@@ -50,6 +50,12 @@ Caches: DynamicCache, StaticCache (`cache_implementation="static"`) and sliding-
 caches work as on eager (greedy tokens identical, tests/test_generation.py); where L < S
 the mask function aligns causality bottom-right, and `causal` is used only for L == S.
 
+Edits replace attention calls: `edit(model, fn)` hands each call's q, k, v and mask
+to fn(info, q, k, v, mask), whose answer (an output, an AttentionResult, or None for
+the call's own attention) the layer uses; sdpa.integrations.edits gives zero and mean
+ablation, knock-outs, pattern zeroing, head scaling and pattern patching as such fns
+(`edits.ZeroAblate([0]).on_layers(2)`), each computed without the L x S pattern.
+
 Captures belong to their model. `capture(model)` records the calls of the attention
 modules inside `model` (a sub-model: only its layers), and of no other model, from
 every thread while the block is open: a thread pool or DataParallel's replicas started
@@ -77,12 +83,13 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from sdpa import masks
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
-from sdpa.functional import attention
+from sdpa.functional import AttentionResult, attention
 from sdpa.weights import AttentionWeights
 
 NAME = "lse_attention"
@@ -119,8 +126,9 @@ ONLY_WHEN_EMPTY = frozenset({"head_mask", "layer_head_mask", "block_indices"})
 # attribute of each module it traces, so a capture on one model changes nothing in the
 # graphs of another.
 _OPEN = "_sdpa_open_captures"
-# The captures opened in this thread or task (read when a capture opens, never per call).
-_here: contextvars.ContextVar[tuple[Capture, ...]] = contextvars.ContextVar(
+# The captures and edits opened in this thread or task (read when one opens, never per
+# call).
+_here: contextvars.ContextVar[tuple[Capture | Edit, ...]] = contextvars.ContextVar(
     "sdpa_captures_here", default=()
 )
 _stamping = threading.Lock()  # opening and closing captures write modules' _OPEN
@@ -202,12 +210,7 @@ class Capture:
                 self.on_call(layer, weights)
 
     def _layer(self, module: torch.nn.Module) -> int:
-        """module.layer_idx, else the module's place among those without one, in the
-        order of their first call (their position in a forward pass)."""
-        layer = getattr(module, "layer_idx", None)
-        if isinstance(layer, int) and not isinstance(layer, bool):
-            return layer
-        return self._layers.setdefault(module, len(self._layers))
+        return _layer_of(module, self._layers)
 
     def _add_stats(
         self, layer: int, module: torch.nn.Module, w: AttentionWeights, kv_heads: int,
@@ -259,6 +262,93 @@ class Capture:
             keys = total if start == 0 and total.shape[-1] == S else total[..., start : start + S]
             keys.add_(got, alpha=share)
         self.received[layer] = total
+
+
+def _layer_of(module: torch.nn.Module, numbering: weakref.WeakKeyDictionary) -> int:
+    """module.layer_idx, else the module's place among those without one in `numbering`,
+    in the order of their first call (their position in a forward pass)."""
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, int) and not isinstance(layer, bool):
+        return layer
+    return numbering.setdefault(module, len(numbering))
+
+
+class EditInfo(NamedTuple):
+    """What an `edit` function is told of the call it may replace."""
+
+    layer: int  # module.layer_idx, or the module's place in the forward pass
+    module: torch.nn.Module  # the attention module making the call
+    scale: float  # the scale the call uses (the model's scaling, else 1/sqrt(D))
+
+
+EditFn = Callable[..., "torch.Tensor | AttentionResult | None"]
+
+
+@dataclass(eq=False)
+class Edit:
+    """An open `edit` block: fn(info, q, k, v, mask) replaces the attention of the calls
+    of its model where it returns something."""
+
+    fn: EditFn
+    calls: int = 0  # calls the block saw; answered: those fn replaced
+    answered: int = 0
+    _layers: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, repr=False
+    )
+    _open: bool = field(default=False, repr=False)
+    _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+
+def _edited(
+    module: torch.nn.Module, edits: tuple[Edit, ...], need_weights: bool,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, scale: float | None,
+    dropout: float,
+) -> tuple[torch.Tensor, AttentionWeights | None] | None:  # fmt: skip
+    """The innermost open edit that answers this call: its output (B, Hq, L, Dv) and
+    weights (None for a bare tensor), or None where no edit answers."""
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    for found in reversed(edits):
+        with found._lock:
+            found.calls += 1
+            layer = _layer_of(module, found._layers)
+        got = found.fn(EditInfo(layer, module, scale), query, key, value, mask)
+        if got is None:
+            continue
+        where = f"{_model_name(module)} layer {layer}"
+        if dropout:
+            raise NotSupportedError(
+                f"the edit function replaced the attention of {where}, which runs with "
+                f"attention dropout {dropout} (the model is in training mode), and the "
+                f"edit's output has none; call model.eval(), or set the model's attention "
+                f"dropout to 0"
+            )
+        out, weights = (got.output, got.weights) if isinstance(got, AttentionResult) else (
+            got, None
+        )  # fmt: skip
+        if not isinstance(out, torch.Tensor) or (
+            isinstance(got, AttentionResult) and not isinstance(weights, AttentionWeights)
+        ):
+            raise SdpaTypeError(
+                f"the edit function must return a tensor (B, Hq, L, Dv), an "
+                f"sdpa.AttentionResult or None, got {_describe(got)} for {where}"
+            )
+        want = (*query.shape[:-1], value.shape[-1])
+        if tuple(out.shape) != want or out.dtype != query.dtype:
+            raise SdpaValueError(
+                f"the edit function returned {tuple(out.shape)} {out.dtype} for {where}; "
+                f"the call needs (B, Hq, L, Dv) = {want} {query.dtype}"
+            )
+        if weights is None and need_weights:
+            raise SdpaValueError(
+                f"the edit function returned a bare tensor for {where}, whose weights are "
+                f"asked for (output_attentions, a capture, or the lazy variant); return "
+                f"the sdpa.attention(...) result (output, weights) instead"
+            )
+        with found._lock:
+            found.answered += 1
+        return out, weights
+    return None
 
 
 def _in_backward() -> bool:
@@ -367,15 +457,18 @@ def _sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None) -> torch.Tens
     return sinks
 
 
-def _run(module: torch.nn.Module, *args, **kwargs) -> tuple[torch.Tensor, AttentionWeights]:
-    """_attend, and every capture open on `module` sees the call. While torch.compile
-    traces: with none open on this module the call traces whole; with one open it runs
-    outside the graph (a graph break per call, so that the capture sees it). The guard
-    is on this module's attribute: a capture on another model changes nothing here."""
+def _run(
+    module: torch.nn.Module, lazy: bool, *args, **kwargs
+) -> tuple[torch.Tensor, AttentionWeights | None]:
+    """_attend, with the edits and captures open on `module` (lazy: the caller returns
+    the weights). While torch.compile traces: with none open on this module the call
+    traces whole; with one open it runs outside the graph (a graph break per call, so
+    that the capture or edit sees it). The guard is on this module's attribute: a block
+    open on another model changes nothing here."""
     if not torch.compiler.is_compiling():
-        return _attend_seen(module, *args, **kwargs)
+        return _attend_seen(module, lazy, *args, **kwargs)
     if getattr(module, _OPEN, None):  # getattr: dynamo guards on it (on __dict__ it would not)
-        return _attend_seen_eagerly(module, *args, **kwargs)
+        return _attend_seen_eagerly(module, lazy, *args, **kwargs)
     return _attend(module, *args, **kwargs)
 
 
@@ -393,10 +486,13 @@ def _attend(
     s_aux: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
+    _sdpa_edits: tuple[tuple[Edit, ...], bool] | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, AttentionWeights]:
+) -> tuple[torch.Tensor, AttentionWeights | None]:
     """Output (B, L, H, D) and the lazy weights (B, H, L, S) of one attention call: what
-    both registered functions take, each keyword honoured or checked."""
+    both registered functions take, each keyword honoured or checked. _sdpa_edits: the
+    edits open on the module and whether the weights are needed; an edit that answers
+    gives the output (and the weights, or None for a bare tensor)."""
     _check_keywords(module, kwargs)
     mask = _mask(module, query, key, attention_mask, is_causal, position_bias, indices)
     if softcap is not None:
@@ -404,20 +500,35 @@ def _attend(
     logits = _sinks(s_aux, sinks)
     if logits is not None:
         mask = masks.sinks(logits, mask)
-    out, weights = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)
+    got = None
+    if _sdpa_edits is not None:
+        edits, need_weights = _sdpa_edits
+        got = _edited(module, edits, need_weights, query, key, value, mask, scaling, dropout)
+    if got is None:
+        got = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)
+    out, weights = got
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)
 
 
 def _attend_seen(
     module: torch.nn.Module,
+    lazy: bool,
     query: torch.Tensor,
     key: torch.Tensor,
     *args,
     **kwargs,
-) -> tuple[torch.Tensor, AttentionWeights]:
-    """_attend, then each capture open on the module (outermost first) records the call."""
+) -> tuple[torch.Tensor, AttentionWeights | None]:
+    """_attend, where the innermost open edit that answers replaces the attention, then
+    each capture open on the module (outermost first) records the call."""
+    opened = module.__dict__.get(_OPEN)  # one dict read when none is open
+    if not opened:
+        return _attend(module, query, key, *args, **kwargs)
+    captures = [c for c in opened if isinstance(c, Capture)]
+    edits = tuple(e for e in opened if isinstance(e, Edit))
+    if edits:
+        need = lazy or bool(captures) or _attentions_wanted(kwargs)
+        kwargs["_sdpa_edits"] = (edits, need)
     out, weights = _attend(module, query, key, *args, **kwargs)
-    captures = module.__dict__.get(_OPEN)  # one dict read when none is open
     if captures:
         sliding = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
         for found in captures:
@@ -447,8 +558,8 @@ def attention_forward(
     docstring), else None. The weights carry gradients to q, k and a float mask where
     those require grad (before dropout: eager's after it).
     """
-    out, weights = _run(module, query, key, value, attention_mask, *args, **kwargs)
-    if not _attentions_wanted(kwargs):
+    out, weights = _run(module, False, query, key, value, attention_mask, *args, **kwargs)
+    if weights is None or not _attentions_wanted(kwargs):  # (None: an edit's bare tensor)
         return out, None
     dense = weights.full(max_bytes=None)  # (B, H, L, S)
     if kwargs.get("s_aux") is not None and _family(module) in ATTENTIONS_BEFORE_SINK:
@@ -473,7 +584,7 @@ def lazy_attention_forward(
 ) -> tuple[torch.Tensor, AttentionWeights]:
     """attention_forward, returning the lazy AttentionWeights (B, H, L, S) as the second
     output of every call (rows, sums and statistics in O(S) memory per query row)."""
-    return _run(module, query, key, value, attention_mask, *args, **kwargs)
+    return _run(module, True, query, key, value, attention_mask, *args, **kwargs)
 
 
 _OURS: tuple[Callable, ...] = (attention_forward, lazy_attention_forward)
@@ -676,23 +787,7 @@ def capture(
     outside the compiled graph (one graph break per call), so that it is captured; a
     compiled model without an open capture keeps its graphs (no break, no recompile).
     """
-    if not isinstance(model, torch.nn.Module):
-        held = getattr(model, "model", None)
-        hint = " (this one holds a model: pass its .model)" if isinstance(
-            held, torch.nn.Module
-        ) else ""  # fmt: skip
-        raise SdpaTypeError(
-            f"model must be a torch.nn.Module: a transformers model loaded with "
-            f"attn_implementation=sdpa.integrations.transformers.register(), or a module "
-            f"holding one; got {type(model).__name__} {_one_line(model)}{hint}"
-        )
-    if not _uses_ours(model):
-        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        raise SdpaValueError(
-            f"capture needs a model on sdpa's attention, got attn_implementation={impl!r} "
-            f"for the model and every sub-model; load it with "
-            f"attn_implementation=sdpa.integrations.transformers.register()"
-        )
+    _check_model(model, "capture")
     names = (stats,) if isinstance(stats, str) else tuple(stats)
     unknown = [n for n in names if n not in STATS]
     if unknown:
@@ -707,8 +802,70 @@ def capture(
         raise SdpaValueError(f"keep must be True, False or None, got {keep!r}")
     if keep is None:
         keep = not names and on_call is None
-    found = Capture(stats=names, on_call=on_call, keep=keep)
-    _open(found, model)
+    with _opened(Capture(stats=names, on_call=on_call, keep=keep), model, "capture") as found:
+        yield found
+
+
+@contextlib.contextmanager
+def edit(model: torch.nn.Module, fn: EditFn) -> Iterator[Edit]:
+    """Replace the attention of chosen calls of `model` (on sdpa: register()) inside the
+    block, as sdpa.integrations.diffusers.edit does for diffusers models.
+
+        from sdpa.integrations import edits
+        with sdpa_hf.edit(model, edits.ZeroAblate([0, 3]).on_layers(2)):
+            logits = model(**batch).logits        # heads 0 and 3 of layer 2 output 0
+
+    fn(info, q, k, v, mask) is called in every attention call of `model` inside the
+    block, after the call's mask is built: info an EditInfo (layer: module.layer_idx, or
+    the module's place in the forward pass; module; scale: the scale the call uses),
+    q (B, Hq, L, D), k / v (B, Hkv, S, D|Dv) as the model passes them (grouped-query
+    heads as they are), mask in sdpa.attention's form (a bool / float tensor, a
+    structured mask; sinks and softcap wrapped around it), or None. It returns the
+    call's output (B, Hq, L, Dv) in q's dtype, an sdpa.AttentionResult (output and the
+    weights: what output_attentions and captures then see), or None for the call's own
+    attention. A bare tensor is refused where the weights are asked for
+    (output_attentions, an open capture, the lazy variant), and any answer is refused in
+    a call with attention dropout (a model in training mode). Edits nest: the innermost
+    whose fn answers wins; captures open at the same time record the edited weights.
+    Under torch.compile the calls of `model` run outside the graph while a block is open.
+    ed.calls / ed.answered: the calls the block saw and those fn replaced.
+    """
+    _check_model(model, "edit")
+    if not callable(fn):
+        raise SdpaTypeError(
+            f"fn must be a callable (info, q, k, v, mask) -> output, an "
+            f"sdpa.AttentionResult or None; got {_describe(fn)}"
+        )
+    with _opened(Edit(fn), model, "edit") as found:
+        yield found
+
+
+def _check_model(model: object, what: str) -> None:
+    """Refuse anything but a module that runs on sdpa's attention functions."""
+    if not isinstance(model, torch.nn.Module):
+        held = getattr(model, "model", None)
+        hint = " (this one holds a model: pass its .model)" if isinstance(
+            held, torch.nn.Module
+        ) else ""  # fmt: skip
+        raise SdpaTypeError(
+            f"model must be a torch.nn.Module: a transformers model loaded with "
+            f"attn_implementation=sdpa.integrations.transformers.register(), or a module "
+            f"holding one; got {type(model).__name__} {_one_line(model)}{hint}"
+        )
+    if not _uses_ours(model):
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        raise SdpaValueError(
+            f"{what} needs a model on sdpa's attention, got attn_implementation={impl!r} "
+            f"for the model and every sub-model; load it with "
+            f"attn_implementation=sdpa.integrations.transformers.register()"
+        )
+
+
+@contextlib.contextmanager
+def _opened(found: Capture | Edit, model: torch.nn.Module, what: str) -> Iterator[Capture | Edit]:
+    """`found` open on the modules of `model` (and named in this thread's context) for
+    the block."""
+    _open(found, model, what)
     try:
         token = _here.set((*_here.get(), found))
         try:
@@ -719,21 +876,22 @@ def capture(
         _close(found)
 
 
-def _open(found: Capture, model: torch.nn.Module) -> None:
-    """Put `found` on every module of `model`, after the captures already open there;
-    refused where one of those was opened in another thread or task."""
+def _open(found: Capture | Edit, model: torch.nn.Module, what: str) -> None:
+    """Put `found` on every module of `model`, after the captures and edits already open
+    there; refused where one of those was opened in another thread or task."""
     modules = list(model.modules())
     here = _here.get()
     with _stamping:
         for m in modules:
             for other in m.__dict__.get(_OPEN, ()):
                 if other._open and not any(other is h for h in here):
+                    kind = "a capture" if isinstance(other, Capture) else "an edit"
                     raise SdpaValueError(
-                        f"capture({_model_name(model)}): a capture of its module "
+                        f"{what}({_model_name(model)}): {kind} of its module "
                         f"{type(m).__name__} is open in another thread or task, and two "
-                        f"captures open side by side would each record the other's calls; "
-                        f"open one capture around both (calls from worker threads are "
-                        f"recorded), or nest them: a thread started inside a block nests "
+                        f"blocks open side by side would each act on the other's calls; "
+                        f"open one block around both (calls from worker threads are "
+                        f"seen), or nest them: a thread started inside a block nests "
                         f"in it when it runs under contextvars.copy_context()"
                     )
         for m in modules:
@@ -741,7 +899,7 @@ def _open(found: Capture, model: torch.nn.Module) -> None:
         found._modules, found._open = modules, True
 
 
-def _close(found: Capture) -> None:
+def _close(found: Capture | Edit) -> None:
     """Take `found` off the modules it was put on; a module left with none loses the
     attribute, and torch.compile traces its calls whole again."""
     with found._lock:  # a call recording now finishes first; later ones are not recorded
