@@ -399,6 +399,28 @@ def test_frozen_patterns_send_gradients_only_through_the_values(gen):
         torch.testing.assert_close(w.full(), oracle(q, k, v)[1].float(), atol=2e-6, rtol=0)
 
 
+@pytest.mark.small_shapes
+def test_kept_weights_made_without_grad_carry_the_gradient_when_read_with_it(gen):
+    """The small backend keeps p; made under no_grad it is outside the graph, and full()
+    read later with grad on carries the listing's gradient (not a copy of a detached p);
+    kept weights of a frozen call refuse full() under grad."""
+    q, k, v = (randn(gen, 1, 2, 9, 8).requires_grad_() for _ in range(3))
+    with torch.no_grad():
+        w = sdpa.attention(q, k, v).weights
+    assert w.served_by.startswith("small")
+    g = randn(gen, 1, 2, 9, 9)
+    (w.full() * g).sum().backward()
+    want = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    (listing.attention(*want)[1] * g).sum().backward()
+    torch.testing.assert_close(q.grad, want[0].grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(k.grad, want[1].grad, atol=1e-6, rtol=1e-5)
+    with sdpa.frozen():
+        frozen = sdpa.attention(q, k, v).weights
+    assert frozen.served_by.startswith("small")
+    with pytest.raises(sdpa.NotSupportedError, match=r"sdpa\.frozen"):
+        frozen.full()
+
+
 def test_reads_without_grad_stay_plain(gen):
     q = randn(gen, 1, 2, 9, 8).requires_grad_()
     with settings.override(small_weights=0, one_product_weights=0):

@@ -155,7 +155,14 @@ def needs(inputs: Inputs) -> Needs | None:
     (grad mode off, or none requires grad): decided in O(1)."""
     if not torch.is_grad_enabled():
         return None
-    mask = inputs.mask
+    mask, sinks = inputs.mask, inputs.sinks
+    if not (
+        inputs.query.requires_grad
+        or inputs.key.requires_grad
+        or (isinstance(mask, torch.Tensor) and mask.requires_grad)
+        or (sinks is not None and sinks.requires_grad)
+    ):
+        return None
     n = Needs(
         inputs.query.requires_grad,
         inputs.key.requires_grad,

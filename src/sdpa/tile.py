@@ -66,7 +66,12 @@ class Scoring(NamedTuple):
 
 def _grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records work on these tensors (then nothing is done in place)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # noqa: SIM110 (a loop: cheaper than any() over a generator)
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 # -- the mask of a window ------------------------------------------------------------
@@ -313,7 +318,7 @@ def values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if v.dtype is not p.dtype:
         v = v.to(p.dtype)
     if Hkv == H or empty(Hkv):
-        return torch.matmul(p, v.expand(B, H, m, Ev))
+        return torch.matmul(p, v if v.shape[0] == B else v.expand(B, H, m, Ev))
     out = torch.matmul(p.reshape(B, Hkv, H // Hkv * n, m), v)  # (B, Hkv, g*n, Ev)
     return out.view(B, H, n, Ev)
 
@@ -346,6 +351,7 @@ def finish(
     *,
     lse: bool = True,
     log: bool = False,
+    every_row_sees_a_key: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of scores s (B, H, n, m) and their LSE: (p, lse (B, H, n)), or
     (log p, lse) with log=True (-inf where a key is excluded). The edge convention of
@@ -353,7 +359,9 @@ def finish(
 
     lse=False (and no sinks, no log), on CPU: torch's softmax, then one host read of the
     sum of each row's first weight finds the rare rows to repair (it pays there: one
-    reduction of one column, against a pass over the tile); elsewhere the path below,
+    reduction of one column, against a pass over the tile), skipped where the caller
+    knows from the mask's type that every row sees a key (`every_row_sees_a_key`: no
+    mask; then a NaN row is one the listing makes NaN too); elsewhere the path below,
     which reads nothing on the host.
     Otherwise the row max first, then exp, sum and log; in place without autograd.
     Differentiable in s and sinks; the LSE is returned detached."""
@@ -365,6 +373,8 @@ def finish(
         return s, row_lse
     if not lse and sinks is None and not log and s.is_cpu:
         p = torch.softmax(s, dim=-1)
+        if every_row_sees_a_key:
+            return p, None
         # one host read (CPU only; cheaper than a pass to find them): the first column's
         # sum is NaN where a row sees no key or has a NaN score
         first = float((p.detach() if grad else p).select(-1, 0).sum())

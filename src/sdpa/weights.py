@@ -147,6 +147,14 @@ class AttentionWeights:
             return p
         return None
 
+    def _copies_held(self, p: torch.Tensor) -> bool:
+        """Whether a copy of the kept weights p answers `full()` as the providers would,
+        in O(1): within the default budget, and inside the autograd graph wherever a
+        read must carry gradients (not frozen weights, which refuse under grad)."""
+        if self._frozen or p.numel() * p.element_size() > DEFAULT_MAX_BYTES:
+            return False
+        return p.requires_grad or not torch.is_grad_enabled() or grads.needs(self._inputs) is None
+
     def _needs(self, inputs: Inputs | None = None) -> grads.Needs | None:
         """Which inputs a read must carry gradients to (None: no read needs any). The
         weights of a call under sdpa.frozen() refuse: their q and k were detached."""
@@ -282,6 +290,10 @@ class AttentionWeights:
         """The dense weights, (*lead, L, S): a tensor of your own (editing it changes
         nothing here). Refuses, before allocating anything, when they need more than
         max_bytes (None: no limit)."""
+        p = self._probs
+        if p is not None and max_bytes is DEFAULT_MAX_BYTES and self._copies_held(p):
+            self._check_fresh()  # the kept weights (small: within the default budget)
+            return self._lead(p.clone())
         max_bytes = check_max_bytes(max_bytes)
         self._check_fresh()
         check_fits(
