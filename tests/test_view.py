@@ -329,9 +329,13 @@ def test_the_sdpa_command_has_view():
 
 def test_ctrl_c_stops_the_server_cleanly():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # Ctrl-C in a terminal: SIGINT at its default in the child, whatever this runner
+    # inherited (a background job, `nohup ... &`, starts with SIGINT ignored, and Python
+    # then leaves it ignored)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sdpa.view", "--unet", "--no-open"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         line = proc.stdout.readline()
