@@ -20,6 +20,7 @@ First order only: a double backward is refused by name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -84,12 +85,16 @@ def backward(
     L = q_all.shape[2]
     group = inputs.group
     sel = sel._replace(keys=rows.ALL)
-    for t in rows.tiles(sel, settings.get().chunk_bytes):
+    budget = settings.get().chunk_bytes
+    spare = [rows._scratch(sel, budget), rows._scratch(sel, budget)]  # (no fresh pages)
+    for t in rows.tiles(sel, budget):
         q, k, lse_t, sinks_t, window = rows.operands(sel, t)
-        raw = tile.scores(q, k, scoring)  # (1, h, r, S), capped, before the mask
+        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, sel.shape[3])
+        into = [b[: math.prod(shape)].view(shape) for b in spare]
+        raw = tile.scores(q, k, scoring, out=into[0])  # (1, h, r, S), capped, before the mask
         s = tile.exclude(raw.clone() if scoring.softcap is not None else raw, window)
         shifted, c = tile.shift(s, lse_t, exact=True)
-        e, total = tile.exponentiate(shifted, c, sinks_t, keep=True)
+        e, total = tile.exponentiate(shifted, c, sinks_t, keep=True, out=into[1])
         p = e.div_(total)
         logp = tile.log_weights(shifted, total)
         p_sink = tile.sink_weight(sinks_t, c, total)  # (1, h, r) or None

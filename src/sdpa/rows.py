@@ -175,9 +175,17 @@ def _shifted(
     return tile.exclude(shifted, window), lse[..., None], sinks
 
 
-def weights(r: Rows, t: Tile, out: torch.Tensor | None = None) -> torch.Tensor:
+def weights(
+    r: Rows, t: Tile, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
     """p of a tile, (1, h, rows, keys), written into `out` when given: rows normalised by
-    their own sum where the selection holds every key, else exp(s - lse)."""
+    their own sum where the selection holds every key (on CPU without sinks: torch's
+    softmax of the scores, computed into `scratch`, a buffer of the tile's shape), else
+    exp(s - lse)."""
+    if r.complete and scratch is not None and r.inputs.sinks is None and r.device.type == "cpu":
+        q, k, _, _, window = operands(r, t)
+        s = tile.exclude(tile.scores(q, k, tile.Scoring.of(r.inputs), out=scratch), window)
+        return tile.finish(s, lse=False, out=out)[0]
     shifted, c, sinks = _shifted(r, t, out)
     if not r.complete:
         return tile.rebuild(shifted)  # exp(s - lse): the product subtracted the LSE
@@ -232,8 +240,12 @@ def dense(r: Rows) -> torch.Tensor:
     if empty(*r.shape):
         return torch.zeros(r.shape, dtype=r.dtype, device=r.device)
     out = torch.empty(r.shape, dtype=r.dtype, device=r.device)
-    for t in tiles(r, settings.get().chunk_bytes):
-        weights(r, t, out[t.at_b : t.at_b + 1, t.at_h, t.at_r])
+    budget = settings.get().chunk_bytes
+    scratch = _scratch(r, budget) if r.complete else None
+    for t in tiles(r, budget):
+        into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
+        buffer = None if scratch is None else scratch[: into.numel()].view(into.shape)
+        weights(r, t, into, buffer)
     return out
 
 
@@ -255,8 +267,10 @@ def entropy(r: Rows) -> torch.Tensor:
     """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
     B, H, n, _ = r.shape
     out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
+    spare = _scratch(r, settings.get().chunk_bytes) if not empty(*r.shape) else None
     for t, shifted, c, sinks in _each(r):
-        e, total = tile.exponentiate(shifted, c, sinks, keep=True)
+        into = spare[: shifted.numel()].view(shifted.shape)  # (no fresh pages per tile)
+        e, total = tile.exponentiate(shifted, c, sinks, keep=True, out=into)
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(
             shifted, e, total, sinks is not None
         )

@@ -352,6 +352,7 @@ def finish(
     lse: bool = True,
     log: bool = False,
     every_row_sees_a_key: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of scores s (B, H, n, m) and their LSE: (p, lse (B, H, n)), or
     (log p, lse) with log=True (-inf where a key is excluded). The edge convention of
@@ -362,7 +363,7 @@ def finish(
     reduction of one column, against a pass over the tile), skipped where the caller
     knows from the mask's type that every row sees a key (`every_row_sees_a_key`: no
     mask; then a NaN row is one the listing makes NaN too); elsewhere the path below,
-    which reads nothing on the host.
+    which reads nothing on the host. out: where that softmax writes (without autograd).
     Otherwise the row max first, then exp, sum and log; in place without autograd.
     Differentiable in s and sinks; the LSE is returned detached."""
     grad = _grad(s, sinks)
@@ -372,7 +373,10 @@ def finish(
             row_lse = torch.logaddexp(row_lse, sinks.detach().expand_as(row_lse))
         return s, row_lse
     if not lse and sinks is None and not log and s.is_cpu:
-        p = torch.softmax(s, dim=-1)
+        if out is None or grad:
+            p = torch.softmax(s, dim=-1)
+        else:  # torch's row-wise kernel, into out: one pass where exp, sum, div take three
+            p = torch.ops.aten._softmax.out(s, -1, False, out=out)
         if every_row_sees_a_key:
             return p, None
         # one host read (CPU only; cheaper than a pass to find them): the first column's
@@ -432,11 +436,17 @@ def normalizer(e: torch.Tensor, c: torch.Tensor, sinks: torch.Tensor | None) -> 
 
 
 def exponentiate(
-    shifted: torch.Tensor, c: torch.Tensor, sinks: torch.Tensor | None, *, keep: bool = False
+    shifted: torch.Tensor,
+    c: torch.Tensor,
+    sinks: torch.Tensor | None,
+    *,
+    keep: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e = exp(s - c) of shifted scores (B, H, n, m), in place unless keep; the rows'
-    normaliser (B, H, n, 1), see `normalizer`): p = e / total."""
-    e = shifted.exp() if keep else shifted.exp_()
+    """(e = exp(s - c) of shifted scores (B, H, n, m), in place unless keep (then into
+    `out` when given: a buffer of their shape); the rows' normaliser (B, H, n, 1), see
+    `normalizer`): p = e / total."""
+    e = (shifted.exp() if out is None else torch.exp(shifted, out=out)) if keep else shifted.exp_()
     return e, normalizer(e, c, sinks)
 
 
@@ -468,7 +478,7 @@ def entropy_of(
     Consumes t."""
     total = total[..., 0]
     mass = e.sum(dim=-1) / total if sinks else 1.0
-    et = e * t.clamp_(min=torch.finfo(t.dtype).min)  # 0 * -inf -> 0 (NaN stays NaN)
+    et = t.clamp_(min=torch.finfo(t.dtype).min).mul_(e)  # 0 * -inf -> 0 (NaN stays NaN)
     return torch.log(total) * mass - et.sum(dim=-1) / total
 
 
