@@ -147,6 +147,28 @@ def test_head_average(browser, bert):
     page.close()
 
 
+def test_a_late_answer_does_not_overwrite_a_newer_selection(browser, bert, monkeypatch):
+    """A head's statistics that come back after the row clicked since (a slow /head):
+    the page keeps showing the row, its status line included."""
+    session, server = bert
+    real = session.head_stats
+
+    def slow(*args):
+        time.sleep(1.0)
+        return real(*args)
+
+    monkeypatch.setattr(session, "head_stats", slow)
+    page = Page(browser, server.url)
+    page.head(1, 3)  # asks /head (slow)
+    page.page.locator(".tok").nth(4).click()  # asks /row, answered first
+    page.shown(1, 3, 4)
+    page.page.wait_for_timeout(1500)  # the /head answer has come back by now
+    status = page.page.locator("#status").text_content()
+    assert "attends to" in status and "receives" not in status, status
+    assert page.page.get_attribute("body", "data-shown") == "1/3/4"
+    page.close()
+
+
 def test_bad_parameters_from_the_page_get_4xx(browser, bert):
     _, server = bert
     page = Page(browser, server.url)

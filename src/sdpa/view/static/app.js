@@ -259,20 +259,23 @@
     const t0 = performance.now(), ticket = ++state.busy;
     const { layer, head, query } = state;
     try {
-      let values, what;
+      let values, what, status;
       if (query === null) {
         const stats = await source.head(layer, head);
         values = stats.received;
         what = "received";
-        $("status").textContent = `Attention each ${unit()} receives (summed over queries), ` +
+        status = `Attention each ${unit()} receives (summed over queries), ` +
           `layer ${layer}, ${headName(head)}. Click a ${unit()} to see its row.`;
       } else {
         values = await source.row(layer, head, query);
         what = "row";
         const name = state.info.kind === "text" ? tokenLabel(query) : `pixel ${pixelName(query)}`;
-        $("status").textContent = `What ${name} attends to: layer ${layer}, ${headName(head)}.`;
+        status = `What ${name} attends to: layer ${layer}, ${headName(head)}.`;
       }
-      if (ticket !== state.busy) return;  // a newer selection is on its way
+      // a newer selection is on its way: an answer that comes back late writes nothing
+      // (not even the status line, which would then describe the older selection)
+      if (ticket !== state.busy) return;
+      $("status").textContent = status;
       state.values = values;
       if (state.info.kind === "text") {
         $("status").textContent += " " + colourTokens(values, what);
@@ -287,7 +290,7 @@
         document.body.dataset.shown = `${layer}/${head}/${query === null ? "" : query}`;
       });
     } catch (err) {
-      $("status").textContent = `Error: ${err.message}`;
+      if (ticket === state.busy) $("status").textContent = `Error: ${err.message}`;
     }
   }
 
