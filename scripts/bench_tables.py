@@ -250,6 +250,7 @@ TABLES: dict[str, Table] = {
     "small-shapes": comparisons("decode.json", SMALL_SHAPES),
     "decode": comparisons("decode.json", DECODE),
     "generation": comparisons("decode.json", GENERATION),
+    "train": comparisons("train.json"),
     "kvpress": kvpress,
     "ring": ring,
     "view": view,
