@@ -251,6 +251,8 @@ TABLES: dict[str, Table] = {
     "decode": comparisons("decode.json", DECODE),
     "generation": comparisons("decode.json", GENERATION),
     "train": comparisons("train.json"),
+    "interp": comparisons("interp.json"),
+    "interp-8192": comparisons("interp_8192.json"),
     "kvpress": kvpress,
     "ring": ring,
     "view": view,
