@@ -38,8 +38,9 @@ import torch
 
 from sdpa import masks
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
-from sdpa.functional import attention
+from sdpa.functional import AttentionResult, attention
 from sdpa.integrations.deferred import Deferred, Where, with_edit
+from sdpa.weights import AttentionWeights
 
 Index = int | Sequence[int] | slice | torch.Tensor | None
 
@@ -385,6 +386,30 @@ class PatchPattern(Edit):
                 qs, ks, vh, _heads_of_mask(call.mask, heads, H), scale=call.scale
             ).output
         return out.index_copy(1, heads, patched.to(out.dtype))
+
+
+# ---- what an edit function may answer ----
+
+
+def answer_of(got, query: torch.Tensor, value: torch.Tensor, where: str):
+    """An `edit(model, fn)` function's answer for one call, as (output, weights or None):
+    a tensor (B, H, L, Dv) in q's dtype, or an sdpa.AttentionResult of that output;
+    anything else refused, naming `where` (the call). The one check the transformers and
+    diffusers edits share."""
+    result = isinstance(got, AttentionResult)
+    out, weights = (got.output, got.weights) if result else (got, None)
+    if not isinstance(out, torch.Tensor) or (result and not isinstance(weights, AttentionWeights)):
+        raise SdpaTypeError(
+            f"the edit function must return a tensor (B, H, L, Dv), an sdpa.AttentionResult "
+            f"or None, got {type(got).__name__} for {where}"
+        )
+    want = (*query.shape[:-1], value.shape[-1])
+    if tuple(out.shape) != want or out.dtype != query.dtype:
+        raise SdpaValueError(
+            f"the edit function returned {tuple(out.shape)} {out.dtype} for {where}; "
+            f"the call needs (B, H, L, Dv) = {want} {query.dtype}"
+        )
+    return out, weights
 
 
 # ---- helpers ----

@@ -90,6 +90,7 @@ import torch
 from sdpa import masks
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
 from sdpa.functional import AttentionResult, attention
+from sdpa.integrations.edits import answer_of
 from sdpa.weights import AttentionWeights
 
 NAME = "lse_attention"
@@ -323,22 +324,7 @@ def _edited(
                 f"edit's output has none; call model.eval(), or set the model's attention "
                 f"dropout to 0"
             )
-        out, weights = (got.output, got.weights) if isinstance(got, AttentionResult) else (
-            got, None
-        )  # fmt: skip
-        if not isinstance(out, torch.Tensor) or (
-            isinstance(got, AttentionResult) and not isinstance(weights, AttentionWeights)
-        ):
-            raise SdpaTypeError(
-                f"the edit function must return a tensor (B, Hq, L, Dv), an "
-                f"sdpa.AttentionResult or None, got {_describe(got)} for {where}"
-            )
-        want = (*query.shape[:-1], value.shape[-1])
-        if tuple(out.shape) != want or out.dtype != query.dtype:
-            raise SdpaValueError(
-                f"the edit function returned {tuple(out.shape)} {out.dtype} for {where}; "
-                f"the call needs (B, Hq, L, Dv) = {want} {query.dtype}"
-            )
+        out, weights = answer_of(got, query, value, where)
         if weights is None and need_weights:
             raise SdpaValueError(
                 f"the edit function returned a bare tensor for {where}, whose weights are "

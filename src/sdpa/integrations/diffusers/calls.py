@@ -15,8 +15,9 @@ from typing import Literal
 
 import torch
 
-from sdpa.errors import SdpaTypeError, SdpaValueError
+from sdpa.errors import SdpaValueError
 from sdpa.functional import AttentionResult, attention
+from sdpa.integrations.edits import answer_of
 from sdpa.weights import AttentionWeights
 
 Kind = Literal["self", "cross", "joint"]
@@ -220,17 +221,6 @@ def attend(info: CallInfo, q, k, v, mask) -> torch.Tensor:
 
 def _checked(got, info: CallInfo, q, v):
     """An edit's answer, refused unless it is a tensor or an AttentionResult of the
-    call's output shape and dtype."""
-    out = got.output if isinstance(got, AttentionResult) else got
-    if not isinstance(out, torch.Tensor):
-        raise SdpaTypeError(
-            f"the edit function must return a tensor, an sdpa.AttentionResult or None, got "
-            f"{type(got).__name__} for {info.name!r}"
-        )
-    want = (*q.shape[:-1], v.shape[-1])
-    if tuple(out.shape) != want or out.dtype != q.dtype:
-        raise SdpaValueError(
-            f"the edit function returned {tuple(out.shape)} {out.dtype} for {info.name!r}; "
-            f"the call needs (B, H, L, Dv) = {want} {q.dtype}"
-        )
+    call's output shape and dtype (edits.answer_of)."""
+    answer_of(got, q, v, repr(info.name))
     return got
