@@ -278,14 +278,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int):
-    """Start `world` workers; returns (send a case to all, collect their answers, stop)."""
+def spawn(world: int, target=None):
+    """Start `world` workers (target(rank, world, port, tasks, results), default this
+    module's worker); returns (send a case to all, collect their answers, stop)."""
     ctx = torch.multiprocessing.get_context("spawn")
     port = free_port()
     results = ctx.Queue()
     queues = [ctx.Queue() for _ in range(world)]
+    target = worker if target is None else target
     procs = [
-        ctx.Process(target=worker, args=(r, world, port, queues[r], results), daemon=True)
+        ctx.Process(target=target, args=(r, world, port, queues[r], results), daemon=True)
         for r in range(world)
     ]
     for p in procs:

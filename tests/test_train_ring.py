@@ -5,7 +5,6 @@ the whole sequence (2 gloo processes); ranks that disagree on gradients raise at
 from __future__ import annotations
 
 import datetime
-import time
 import traceback
 
 import pytest
@@ -105,34 +104,11 @@ def worker(rank, world, port, tasks, results) -> None:
 
 @pytest.fixture(scope="module")
 def ring():
-    import ring_cases  # (the suite's free port)
+    import ring_cases  # (the suite's workers, with this module's cases)
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    results, queues = ctx.Queue(), [ctx.Queue() for _ in range(WORLD)]
-    port = ring_cases.free_port()
-    procs = [
-        ctx.Process(target=worker, args=(r, WORLD, port, queues[r], results), daemon=True)
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-
-    def run(name, **kwargs):
-        for q in queues:
-            q.put((name, kwargs))
-        got, deadline = {}, time.monotonic() + 120
-        while len(got) < WORLD:
-            rank, error, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            got[rank] = (error, value)
-        return [got[r] for r in range(WORLD)]
-
+    run, stop = ring_cases.spawn(WORLD, worker)
     yield run
-    for q in queues:
-        q.put(None)
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    stop()
 
 
 @pytest.mark.parametrize(
