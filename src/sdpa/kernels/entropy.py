@@ -28,9 +28,11 @@ from sdpa.kernels.launch import (
     head_blocks,
     ieee,
     interpreting,
+    key_range,
     launch_options,
     load_rows,
     mask_args,
+    query_block,
     shifted_scores,
 )
 
@@ -77,36 +79,18 @@ def _entropy_and_max(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PIPELINED: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first: the last programs would otherwise run alone
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1).to(tl.int64) + BH0  # this launch's first (batch, head)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP  # grouped-query attention: the key head of query head h
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    pid_bh, m0, offs_m, offs_d, q, Kbh, Mbh = query_block(
+        Q, K, M, sqb, sqh, sql, sqd, skb, skh, smb, smh, H, GROUP, BH0, L,
+        CAUSAL, IEEE, E, BLOCK_M, BLOCK_D,
+    )  # fmt: skip
     EVEN_D: tl.constexpr = E == BLOCK_D
-    q = load_rows(Q + b * sqb + h * sqh, offs_m, sql, offs_d, sqd, L, E, True, EVEN_D)
-    if IEEE:
-        q = q.to(tl.float32)
     row_ok = offs_m < L
     lse = tl.load(Lse + pid_bh * L + offs_m, mask=row_ok, other=0.0)
     lse2 = lse * LOG2E
-    Kbh = K + b * skb + hk * skh
-    Mbh = M + b * smb + h * smh
     a_i = tl.zeros([BLOCK_M], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     x_i = tl.full([BLOCK_M], -BIG, tl.float32)
-    hi = S
-    if CAUSAL:  # top-left: query i sees keys j <= i
-        hi = tl.minimum(S, m0 + BLOCK_M)
-    full = 0  # key blocks [0, full) need no masking: inside S and below the diagonal
-    if MASK_KIND == 0:
-        full = (S // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            full = tl.minimum(full, ((m0 + 1) // BLOCK_N) * BLOCK_N)
+    full, hi = key_range(m0, S, CAUSAL, MASK_KIND, BLOCK_M, BLOCK_N)
     if PIPELINED:  # the next block's Q K^T runs on the tensor cores during this one's exp2
         if full > 0:
             s = _scores(q, Kbh, 0, offs_d, sks, skd, S, E, False, EVEN_D, IEEE, BLOCK_N)

@@ -157,6 +157,47 @@ def dot_nt(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def query_block(Q, K, M, sqb, sqh, sql, sqd, skb, skh, smb, smh, H, GROUP, BH0, L,
+                CAUSAL: tl.constexpr, IEEE: tl.constexpr, E: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """This program's block of query rows: (pid_bh, m0, offs_m, offs_d, q (BLOCK_M,
+    BLOCK_D) in float32 when IEEE, the key head's K base, the mask's base). Grid: (query
+    blocks, batch x heads of this launch, from BH0); causal programs take the longest
+    rows first (the last ones would otherwise run alone); query head h reads key head
+    h // GROUP."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1).to(tl.int64) + BH0
+    b = pid_bh // H
+    h = pid_bh % H
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, sql, offs_d, sqd, L, E, True, E == BLOCK_D)
+    if IEEE:
+        q = q.to(tl.float32)
+    return pid_bh, m0, offs_m, offs_d, q, K + b * skb + (h // GROUP) * skh, M + b * smb + h * smh
+
+
+@triton.jit
+def key_range(m0, S, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(full, hi) for a query block from m0: key blocks [0, full) need no masking (inside
+    S and below the diagonal, no mask), [full, hi) are masked, keys from hi on are never
+    seen (top-left causal: query i sees keys j <= i)."""
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum(S, m0 + BLOCK_M)
+    full = 0
+    if MASK_KIND == 0:
+        full = (S // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, ((m0 + 1) // BLOCK_N) * BLOCK_N)
+    return full, hi
+
+
+@triton.jit
 def load_rows(base, offs, stride, offs_d, stride_d, n, E: tl.constexpr,
               EDGE: tl.constexpr, EVEN_D: tl.constexpr):  # fmt: skip
     """The (R, BLOCK_D) tile of rows `offs` (of n when EDGE: rows past it read 0) and

@@ -20,9 +20,11 @@ from sdpa.kernels.launch import (
     head_blocks,
     ieee,
     interpreting,
+    key_range,
     launch_options,
     load_rows,
     mask_args,
+    query_block,
     shifted_scores,
 )
 
@@ -56,31 +58,13 @@ def _max_logits(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr, E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1).to(tl.int64) + BH0  # this launch's first (batch, head)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP  # grouped-query attention: the key head of query head h
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    pid_bh, m0, offs_m, offs_d, q, Kbh, Mbh = query_block(
+        Q, K, M, sqb, sqh, sql, sqd, skb, skh, smb, smh, H, GROUP, BH0, L,
+        CAUSAL, IEEE, E, BLOCK_M, BLOCK_D,
+    )  # fmt: skip
     EVEN_D: tl.constexpr = E == BLOCK_D
-    q = load_rows(Q + b * sqb + h * sqh, offs_m, sql, offs_d, sqd, L, E, True, EVEN_D)
-    if IEEE:
-        q = q.to(tl.float32)
-    Kbh = K + b * skb + hk * skh
-    Mbh = M + b * smb + h * smh
     top = tl.full([BLOCK_M, BLOCK_N], -float("inf"), tl.float32)
-    hi = S
-    if CAUSAL:  # top-left: query i sees keys j <= i
-        hi = tl.minimum(S, m0 + BLOCK_M)
-    full = 0  # key blocks [0, full) need no masking: inside S and below the diagonal
-    if MASK_KIND == 0:
-        full = (S // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            full = tl.minimum(full, ((m0 + 1) // BLOCK_N) * BLOCK_N)
+    full, hi = key_range(m0, S, CAUSAL, MASK_KIND, BLOCK_M, BLOCK_N)
     for start_n in range(0, full, BLOCK_N):
         top = _keys(
             top, q, Kbh, Mbh, start_n, offs_m, offs_d, sks, skd, sml, sms, L, S, scale,
