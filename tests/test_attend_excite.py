@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import inspect
 import os
 import types
@@ -20,6 +19,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from loader import load_file
 
 pytest.importorskip("diffusers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -297,12 +298,7 @@ def test_joint_model_refused():
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location(
-        "attend_and_excite_example", ROOT / "examples" / "attend_and_excite.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("examples/attend_and_excite.py")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ word -> token mapping; examples/diffusion_maps.py on a tiny random pipeline."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import weakref
@@ -14,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+from loader import load_file
 
 pytest.importorskip("diffusers")
 from diffusers.models.attention_processor import AttnProcessor2_0
@@ -343,12 +344,7 @@ def test_heat_maps_picture(tmp_path):
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location(
-        "diffusion_maps_example", ROOT / "examples" / "diffusion_maps.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("examples/diffusion_maps.py")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ hand, or left stale after a results file changed, fails here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from loader import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = ROOT / "docs" / "guide"
@@ -33,12 +34,7 @@ def _needs_mkdocs():
 
 def _tables():
     """scripts/bench_tables.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_tables", ROOT / "scripts" / "bench_tables.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("scripts/bench_tables.py")
 
 
 PUBLIC = {  # page -> anchors its API section must have

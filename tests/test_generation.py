@@ -323,13 +323,9 @@ def test_capture_under_compile_sees_every_call(compiled):
 
 
 def test_example_prints_top_keys_and_entropy_per_layer():
-    import importlib.util
-    from pathlib import Path
+    from loader import load_file
 
-    path = Path(__file__).parents[1] / "examples" / "generation_stats.py"
-    spec = importlib.util.spec_from_file_location("generation_stats", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_file("examples/generation_stats.py")
     lines = example.main(["--new-tokens", "3", "--top", "2", "--cache", "static"])
     assert lines[0].startswith("12 prompt tokens + 3 generated, static cache")
     assert [line.split(":")[0] for line in lines[1:5]] == [f"layer {i}" for i in range(4)]

