@@ -105,12 +105,19 @@ def check_bert(device) -> list[dict]:
             1e-2,
         )
     ]
-    rows = valid[:, None, :, None]  # eager gives padded query rows uniform weights, we give 0
+    return out + _attention_rows("bert", o, e, r, valid)
+
+
+def _attention_rows(model: str, o, e, r, valid) -> list:
+    """The bf16 rule on the first and last layers' attentions of the real query rows
+    (eager gives padded rows uniform weights, sdpa gives them 0)."""
+    rows = valid[:, None, :, None]
+    out = []
     for layer in (0, len(o.attentions) - 1):
         pick = lambda a: a[layer].masked_select(rows)  # noqa: E731, B023
         out.append(
             bf16_rule(
-                f"bert attentions layer {layer} (real rows)",
+                f"{model} attentions layer {layer} (real rows)",
                 pick(o.attentions),
                 pick(e.attentions),
                 pick(r.attentions),
@@ -184,18 +191,7 @@ def check_llama(device) -> list[dict]:
             "llama logits (real tokens)", o.logits[valid], e.logits[valid], r.logits[valid], 2e-2
         )
     ]
-    rows = valid[:, None, :, None]
-    for layer in (0, len(o.attentions) - 1):
-        pick = lambda a: a[layer].masked_select(rows)  # noqa: E731, B023
-        out.append(
-            bf16_rule(
-                f"llama attentions layer {layer} (real rows)",
-                pick(o.attentions),
-                pick(e.attentions),
-                pick(r.attentions),
-                2e-3,
-            )
-        )
+    out += _attention_rows("llama", o, e, r, valid)
     out.append(_greedy(ours, eager, ref, inputs, 12))
     return out
 
