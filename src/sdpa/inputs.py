@@ -489,6 +489,12 @@ def _check_causal(causal: bool, shape: _Shape, torch_semantics: bool) -> None:
         )
 
 
+def scale_of(scale: object, E: int) -> float:
+    """The scale sdpa.attention uses for `scale` at head width E (1/sqrt(E) for None):
+    the one default, for integrations that tell a caller the scale of a call."""
+    return _check_scale(scale, E, torch_semantics=False)
+
+
 def _check_scale(scale: object, E: int, torch_semantics: bool) -> float:
     """1/sqrt(E) for None; else a real number (a 0-d tensor or numpy scalar will do)."""
     if scale is None:  # E = 0: every score is an empty dot product (0), any scale will do

@@ -90,6 +90,7 @@ import torch
 from sdpa import masks
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
 from sdpa.functional import AttentionResult, attention
+from sdpa.inputs import scale_of
 from sdpa.integrations.edits import answer_of
 from sdpa.weights import AttentionWeights
 
@@ -308,7 +309,7 @@ def _edited(
 ) -> tuple[torch.Tensor, AttentionWeights | None] | None:  # fmt: skip
     """The innermost open edit that answers this call: its output (B, Hq, L, Dv) and
     weights (None for a bare tensor), or None where no edit answers."""
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = scale_of(scale, query.shape[-1])
     for found in reversed(edits):
         with found._lock:
             found.calls += 1
