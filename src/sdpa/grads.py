@@ -20,7 +20,6 @@ First order only: a double backward is refused by name.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -86,11 +85,10 @@ def backward(
     group = inputs.group
     sel = sel._replace(keys=rows.ALL)
     budget = settings.get().chunk_bytes
-    spare = [rows._scratch(sel, budget), rows._scratch(sel, budget)]  # (no fresh pages)
+    spare = [rows.scratch(sel, budget), rows.scratch(sel, budget)]  # (no fresh pages)
     for t in rows.tiles(sel, budget):
         q, k, lse_t, sinks_t, window = rows.operands(sel, t)
-        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, sel.shape[3])
-        into = [b[: math.prod(shape)].view(shape) for b in spare]
+        into = [rows.in_tile(b, sel, t) for b in spare]
         raw = tile.scores(q, k, scoring, out=into[0])  # (1, h, r, S), capped, before the mask
         s = tile.exclude(raw.clone() if scoring.softcap is not None else raw, window)
         shifted, c = tile.shift(s, lse_t, exact=True)

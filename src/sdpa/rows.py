@@ -215,12 +215,19 @@ def needs_every_key(lse: torch.Tensor) -> bool:
     return bool((lse.abs() > settings.get().exact_lse_limit).any())
 
 
-def _scratch(r: Rows, budget: int) -> torch.Tensor:
-    """One reusable buffer for the largest tile (fresh pages fault on every allocation)."""
+def scratch(r: Rows, budget: int) -> torch.Tensor:
+    """One reusable buffer for the largest tile of `tiles(r, budget)` (fresh pages fault
+    on every allocation); `in_tile` views it per tile."""
     _, H, n, m = r.shape
     item = torch.finfo(r.dtype).bits // 8
     size = H * n * m if H * n * m * item <= budget else min(n, max(1, budget // (m * item))) * m
     return torch.empty(size, dtype=r.dtype, device=r.device)
+
+
+def in_tile(buffer: torch.Tensor, r: Rows, t: Tile) -> torch.Tensor:
+    """A `scratch` buffer viewed as tile t's weights, (1, h, rows, keys)."""
+    shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, r.shape[3])
+    return buffer[: math.prod(shape)].view(shape)
 
 
 def _each(r: Rows) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
@@ -228,10 +235,9 @@ def _each(r: Rows) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor, torch.Ten
     if empty(*r.shape):
         return
     budget = settings.get().chunk_bytes
-    scratch = _scratch(r, budget)
+    buffer = scratch(r, budget)
     for t in tiles(r, budget):
-        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, r.shape[3])
-        yield t, *_shifted(r, t, scratch[: math.prod(shape)].view(shape))
+        yield t, *_shifted(r, t, in_tile(buffer, r, t))
 
 
 @_eager
@@ -241,11 +247,10 @@ def dense(r: Rows) -> torch.Tensor:
         return torch.zeros(r.shape, dtype=r.dtype, device=r.device)
     out = torch.empty(r.shape, dtype=r.dtype, device=r.device)
     budget = settings.get().chunk_bytes
-    scratch = _scratch(r, budget) if r.complete else None
+    buffer = scratch(r, budget) if r.complete else None
     for t in tiles(r, budget):
         into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
-        buffer = None if scratch is None else scratch[: into.numel()].view(into.shape)
-        weights(r, t, into, buffer)
+        weights(r, t, into, None if buffer is None else in_tile(buffer, r, t))
     return out
 
 
@@ -267,10 +272,9 @@ def entropy(r: Rows) -> torch.Tensor:
     """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
     B, H, n, _ = r.shape
     out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
-    spare = _scratch(r, settings.get().chunk_bytes) if not empty(*r.shape) else None
+    spare = scratch(r, settings.get().chunk_bytes) if not empty(*r.shape) else None
     for t, shifted, c, sinks in _each(r):
-        into = spare[: shifted.numel()].view(shifted.shape)  # (no fresh pages per tile)
-        e, total = tile.exponentiate(shifted, c, sinks, keep=True, out=into)
+        e, total = tile.exponentiate(shifted, c, sinks, keep=True, out=in_tile(spare, r, t))
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(
             shifted, e, total, sinks is not None
         )
