@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from engines import ENGINES, run
+from engines import BACKEND_ENGINES, ENGINES, run
 from sdpa import masks
 
 from conftest import randn
@@ -223,3 +223,41 @@ def test_statistics_stay_exact_past_float32s_lse(gen, engine):
         for name, value in got.items():
             ok, mine, theirs = within_rule(value, listing32[name], truth[name], STAT_FLOOR)
             assert ok, f"{engine} scale={scale} {name}: {mine:.2e} > 2 x {theirs:.2e}"
+
+
+def _listing_kl(first, second):
+    """KL(first || second) per row of dense float64 weights: 0 log 0 = 0, +inf where only
+    the second is 0, NaN where either row is NaN."""
+    terms = torch.where(first > 0, first * (first.log() - second.log()), 0.0)
+    nan = torch.isnan(first[..., 0]) | torch.isnan(second[..., 0])
+    return terms.sum(-1).masked_fill(nan, math.nan)
+
+
+@pytest.mark.parametrize("engine", BACKEND_ENGINES)
+@pytest.mark.parametrize(
+    "case", range(5), ids=["k +inf", "k +inf, scale 0", "k NaN", "mask NaN", "mask +inf"]
+)
+def test_kl_is_nan_exactly_where_either_side_is(gen, engine, case):
+    """KL between weights with the NaN rows of the cases above and weights that exclude
+    keys (some rows see none; 0 log 0 and the +inf of a key only one side excludes), both
+    ways round, and against the dense target of those weights (zeros included)."""
+    name, q, k, bias, scale = _nan_cases(gen)[case]
+    B, L, S = q.shape[0], q.shape[2], k.shape[2]
+    keep = torch.rand(B, 1, L, S, generator=gen) < 0.7
+    keep[..., 0, :] = False  # a row that sees no key
+    q2, k2 = randn(gen, *q.shape), randn(gen, *k.shape)
+    _, w, reads = run(engine, q, k, randn(gen, *k.shape), bias, scale=scale)
+    _, t, _ = run(engine, q2, k2, randn(gen, *k.shape), keep)
+    p = _listing(q, k, bias, scale=scale)[0]
+    pt = _listing(q2, k2, keep)[0]
+    with reads, torch.no_grad():
+        got = {"kl(t || w)": w.kl(t), "kl(w || t)": w.kl(t, reverse=True),
+               "t: kl(w || t)": t.kl(w), "kl(dense t || w)": w.kl(pt.float())}  # fmt: skip
+    forward, reverse = _listing_kl(pt, p), _listing_kl(p, pt)
+    want = {"kl(t || w)": forward, "kl(w || t)": reverse, "t: kl(w || t)": reverse,
+            "kl(dense t || w)": forward}  # fmt: skip
+    for read, value in got.items():
+        both_inf = torch.isinf(want[read])
+        assert torch.equal(torch.isinf(value.double()), both_inf), f"{engine} {name} {read}"
+        _compare(value.masked_fill(both_inf, 0.0), want[read].masked_fill(both_inf, 0.0),
+                 f"{engine} {name} {read}")  # fmt: skip

@@ -146,14 +146,10 @@ def attention(
         if inputs is not None:
             impl = select_fast(inputs)
             out, lse, p = impl.run(inputs)
-            return _result(
-                AttentionResult, (out, AttentionWeights(inputs, lse, p, impl))
-            )
+            return _result(AttentionResult, (out, AttentionWeights(inputs, lse, p, impl)))
     inputs, out, lse, p, impl = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
     frozen_call = bool(_frozen_blocks) and _frozen_here() and _wanted_grad(query, key, mask)
-    return AttentionResult(
-        out, AttentionWeights(inputs, lse, p, impl, frozen=frozen_call)
-    )
+    return AttentionResult(out, AttentionWeights(inputs, lse, p, impl, frozen=frozen_call))
 
 
 class Explanation(NamedTuple):

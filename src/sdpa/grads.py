@@ -30,31 +30,29 @@ from sdpa.errors import NotSupportedError
 from sdpa.inputs import Inputs
 
 
-class TileGrad(NamedTuple):
-    """What a rule sees of one tile: its place (rows.Tile), the weights P and log P
-    (1, h, r, S) of its complete rows, and the sink's share p_sink (1, h, r) or None."""
+class Rule(NamedTuple):
+    """How a read sends its upstream gradient into one tile's scores: grad(tile, g) ->
+    (dS (1, h, r, S), dsink (1, h, r) or None), the tile a rows.TileRows of complete
+    rows (its p, logp, p_sink, where); logp: whether grad reads the tile's logp."""
 
-    where: rows.Tile
-    p: torch.Tensor
-    logp: torch.Tensor
-    p_sink: torch.Tensor | None
-
-
-# A rule: (tile, upstream gradient) -> (dS (1, h, r, S), dsink (1, h, r) or None).
-Rule = Callable[[TileGrad, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
+    grad: Callable[[rows.TileRows, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+    logp: bool = False
 
 
-def softmax_rule(pg_of: Callable[[TileGrad, torch.Tensor], torch.Tensor]) -> Rule:
+def softmax_rule(
+    pg_of: Callable[[rows.TileRows, torch.Tensor], torch.Tensor], logp: bool = False
+) -> Rule:
     """The rule of a read that is a function of P alone, from PG = P * dR/dP on a tile:
-    dS = PG - P D, D = sum_j PG, and the sink's dS = -p_sink D."""
+    dS = PG - P D, D = sum_j PG, and the sink's dS = -p_sink D (consumes the tile's p).
+    logp: whether pg_of reads the tile's logp."""
 
-    def rule(t: TileGrad, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rule(t: rows.TileRows, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         pg = pg_of(t, g)  # (1, h, r, S)
         d = pg.sum(dim=-1, keepdim=True)  # (1, h, r, 1)
-        ds = pg.sub_(t.p * d)
+        ds = pg.sub_(t.p.mul_(d))
         return ds, None if t.p_sink is None else -t.p_sink * d[..., 0]
 
-    return rule
+    return Rule(rule, logp)
 
 
 class Needs(NamedTuple):
@@ -67,11 +65,12 @@ class Needs(NamedTuple):
 
 
 def backward(
-    inputs: Inputs, lse: torch.Tensor, sel: rows.Rows, rule: Rule, needs: Needs, g: object
+    sel: rows.Rows, rule: Rule, needs: Needs, g: object
 ) -> tuple[torch.Tensor | None, ...]:
     """(dq (B, Hq, L, E), dk (B, Hkv, S, E), dmask (the mask's shape), dsinks (the
     sinks' shape)) of a read over the rows of `sel` (its keys: every key), tile by tile;
     None where not needed."""
+    inputs = sel.inputs
     q_all, k_all = inputs.query, inputs.key
     cd = inputs.compute_dtype
     dq = torch.zeros(q_all.shape, dtype=cd, device=q_all.device) if needs.q else None
@@ -85,18 +84,11 @@ def backward(
     group = inputs.group
     sel = sel._replace(keys=rows.ALL)
     budget = settings.get().chunk_bytes
-    spare = [rows.scratch(sel, budget), rows.scratch(sel, budget)]  # (no fresh pages)
+    source = rows.Source(sel, budget, both=rule.logp)
     for t in rows.tiles(sel, budget):
-        q, k, lse_t, sinks_t, window = rows.operands(sel, t)
-        into = [rows.in_tile(b, sel, t) for b in spare]
-        raw = tile.scores(q, k, scoring, out=into[0])  # (1, h, r, S), capped, before the mask
-        s = tile.exclude(raw.clone() if scoring.softcap is not None else raw, window)
-        shifted, c = tile.shift(s, lse_t, exact=True)
-        e, total = tile.exponentiate(shifted, c, sinks_t, keep=True, out=into[1])
-        p = e.div_(total)
-        logp = tile.log_weights(shifted, total)
-        p_sink = tile.sink_weight(sinks_t, c, total)  # (1, h, r) or None
-        ds, dsink = rule(TileGrad(t, p, logp, p_sink), g)
+        tr = source.tile(t)
+        q, k, raw = tr.q, tr.k, tr.raw  # (raw: read only under a softcap, where p is apart)
+        ds, dsink = rule.grad(tr, g)
         hs = slice(t.heads.start, t.heads.stop, t.heads.step)
         if dmask is not None:
             _add_mask_grad(dmask, ds, t, hs, L)
@@ -118,7 +110,7 @@ def backward(
         if dk is not None:
             qf = q.to(cd).reshape(1, kv, (h // kv) * r, -1)
             kv0 = t.heads.start // group
-            dk[t.b : t.b + 1, kv0 : kv0 + kv] += torch.matmul(folded.mT, qf)  # (1, kv, S, E)
+            dk[t.b, kv0 : kv0 + kv].baddbmm_(folded[0].mT, qf[0])  # (kv, S, E), in place
     return dq, dk, dmask, dsinks
 
 
@@ -176,11 +168,10 @@ def needs(inputs: Inputs) -> Needs | None:
 
 
 class Side(NamedTuple):
-    """One attention whose weights a read depends on: its inputs and LSE, the rows the
-    read reads (its backward reads every key of them), its rule and what needs grads."""
+    """One attention whose weights a read depends on: the rows the read reads (its
+    inputs and LSE; the backward reads every key of them), its rule and what needs
+    grads."""
 
-    inputs: Inputs
-    lse: torch.Tensor
     selection: rows.Rows
     rule: Rule
     needs: Needs
@@ -212,13 +203,13 @@ class _Read(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None, None, None]
         with settings.using(ctx.tuning):
             for side in ctx.sides:
-                out += backward(side.inputs, side.lse, side.selection, side.rule, side.needs, g)
+                out += backward(side.selection, side.rule, side.needs, g)
             out += [grad_of(g) for _, grad_of in ctx.extras]
         return tuple(out)
 
 
 def _tensors(side: Side) -> list[torch.Tensor | None]:
-    i = side.inputs
+    i = side.selection.inputs
     mask = i.mask if isinstance(i.mask, torch.Tensor) and side.needs.mask else None
     return [i.query, i.key, mask, i.sinks if side.needs.sinks else None]
 
@@ -235,8 +226,6 @@ def read_sides(
 class Spec(NamedTuple):
     """A read of one attention's weights (see Side) and how to compute its value."""
 
-    inputs: Inputs
-    lse: torch.Tensor
     selection: rows.Rows
     rule: Rule
     needs: Needs
@@ -245,14 +234,19 @@ class Spec(NamedTuple):
 
 def read(spec: Spec) -> torch.Tensor:
     """The read's value, carrying its gradient to q, k, a float mask and the sinks."""
-    side = Side(spec.inputs, spec.lse, spec.selection, spec.rule, spec.needs)
+    side = Side(spec.selection, spec.rule, spec.needs)
     return read_sides(spec.value, [side])
 
 
 # -- rules ---------------------------------------------------------------------------
 
 
-def _place(g: torch.Tensor, t: TileGrad) -> torch.Tensor:
+def _zero_nan(terms: torch.Tensor) -> torch.Tensor:
+    """P x (terms in log P) with the 0 x -inf of keys where P = 0 set to 0, in place."""
+    return terms.nan_to_num_(nan=0.0, posinf=torch.inf, neginf=-torch.inf)
+
+
+def _place(g: torch.Tensor, t: rows.TileRows) -> torch.Tensor:
     """The tile's slice of an upstream gradient laid out (B', H', n, ...)."""
     w = t.where
     return g[w.at_b : w.at_b + 1, w.at_h, w.at_r]
@@ -261,7 +255,7 @@ def _place(g: torch.Tensor, t: TileGrad) -> torch.Tensor:
 def rows_rule(keys: slice | torch.Tensor) -> Rule:
     """Dense rows (full(), indexing): R = P[rows][:, keys]; G = g at those keys."""
 
-    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+    def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         gt = _place(g, t)  # (1, h, r, m)
         if isinstance(keys, slice) and keys == rows.ALL:
             return t.p * gt
@@ -278,7 +272,7 @@ def rows_rule(keys: slice | torch.Tensor) -> Rule:
 def key_sums_rule(scale: float = 1.0) -> Rule:
     """sum(dim=-2) (mean: scale 1 / L): R_j = sum_i P_ij; G_ij = g_j."""
 
-    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+    def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         w = t.where
         return t.p * (g[w.at_b : w.at_b + 1, w.at_h][:, :, None, :] * scale)
 
@@ -288,18 +282,18 @@ def key_sums_rule(scale: float = 1.0) -> Rule:
 def entropy_rule() -> Rule:
     """entropy(): R_i = -sum_j P log P; PG = -g_i (P log P + P), 0 where P = 0."""
 
-    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
-        plogp = torch.where(t.p > 0, t.p * t.logp, 0.0)
-        return (plogp + t.p).mul_(-_place(g, t)[..., None])
+    def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
+        plogp = _zero_nan(t.logp.mul_(t.p))  # 0 x -inf -> 0 where P = 0
+        return plogp.add_(t.p).mul_(-_place(g, t)[..., None])
 
-    return softmax_rule(pg)
+    return softmax_rule(pg, logp=True)
 
 
 def amax_rule(_value: object = None) -> Rule:
     """amax(): R_i = max_j P_ij, the gradient split evenly between tied maxima (as
     torch.amax's backward splits it); the maxima found on the tile itself."""
 
-    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+    def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         at_top = t.p == t.p.amax(dim=-1, keepdim=True)
         share = _place(g, t)[..., None] / at_top.sum(dim=-1, keepdim=True)
         return torch.where(at_top & (t.p > 0), t.p * share, 0.0)
@@ -310,7 +304,7 @@ def amax_rule(_value: object = None) -> Rule:
 def topk_rule(indices: torch.Tensor) -> Rule:
     """topk(k) values: R_ir = P[i, idx_ir]; G at those keys."""
 
-    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+    def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(t.p)
         out.scatter_add_(-1, _place(indices, t), _place(g, t))
         return out.mul_(t.p)
@@ -321,18 +315,18 @@ def topk_rule(indices: torch.Tensor) -> Rule:
 def lse_rule() -> Rule:
     """lse: dlse_i/ds_ij = P_ij, dlse_i/dz_i = p_sink_i (not a function of P alone)."""
 
-    def rule(t: TileGrad, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rule(t: rows.TileRows, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         gt = _place(g, t)  # (1, h, r)
         return t.p * gt[..., None], None if t.p_sink is None else t.p_sink * gt
 
-    return rule
+    return Rule(rule)
 
 
 def pairs_rule(qi: torch.Tensor, kj: torch.Tensor, S: int) -> Rule:
     """pairs(qi, kj): R_p = P[qi_p, kj_p] (qi, kj (1|B, P)); G at those pairs (repeated
     pairs add up)."""
 
-    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+    def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         w = t.where
         b = w.b if qi.shape[0] > 1 else 0
         r0, r1 = w.q_rows.start, w.q_rows.stop  # (every-row selections: a slice)
@@ -346,29 +340,32 @@ def pairs_rule(qi: torch.Tensor, kj: torch.Tensor, S: int) -> Rule:
     return softmax_rule(pg)
 
 
-def kl_rule(other: Callable[[rows.Tile], torch.Tensor], weighs: bool) -> Rule:
-    """The gradient of a KL into one side's scores, other(tile) giving the other side's
-    log-weights on the same tile. The side that weighs the sum (Q of KL(Q || P)):
-    dKL/dQ = log Q - log P + 1, so PG = g Q (log Q - log P + 1) (0 where Q = 0). The
-    side inside the log: dKL/dP = -Q / P, so PG = -g Q. The softmax backward (sinks
-    included) does the rest."""
+def kl_rule(other: Callable[[int, bool], rows.Source | rows.DenseSource], weighs: bool) -> Rule:
+    """The gradient of a KL into one side's scores, the other side's tiles read from a
+    source other(budget, both) (made once per backward, for its tiles). The side that
+    weighs the sum (Q of KL(Q || P)): dKL/dQ = log Q - log P + 1, so PG = g Q (log Q -
+    log P + 1) (0 where Q = 0). The side inside the log: dKL/dP = -Q / P, so PG = -g Q.
+    The softmax backward (sinks included) does the rest."""
+    opened: list[rows.Source | rows.DenseSource] = []
 
-    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+    def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
+        if not opened:
+            opened.append(other(settings.get().chunk_bytes, False))  # (one read per tile)
         gt = _place(g, t)[..., None]  # (1, h, r, 1)
-        logo = other(t.where)
-        if weighs:
-            terms = torch.where(t.p > 0, t.p * (t.logp - logo + 1.0), 0.0)
+        theirs = opened[0].tile(t.where)
+        if weighs:  # (log P - log Q + 1) P, 0 where P = 0 (0 x -inf)
+            terms = _zero_nan(t.logp.sub_(theirs.logp).add_(1.0).mul_(t.p))
         else:
-            terms = logo.exp().neg_()
+            terms = theirs.p.neg() if isinstance(theirs, rows.DenseTile) else theirs.p.neg_()
         return terms.mul_(gt)
 
-    return softmax_rule(pg)
+    return softmax_rule(pg, logp=weighs)
 
 
 def weighted_rows_rule(u: torch.Tensor) -> Rule:
     """u @ w: R_fj = sum_i u_fi P_ij (u (B, H, F, L)); G_ij = sum_f u_fi g_fj."""
 
-    def pg(t: TileGrad, g: torch.Tensor) -> torch.Tensor:
+    def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         w = t.where
         ut = u[w.at_b : w.at_b + 1, w.at_h][..., w.at_r].to(t.p.dtype)  # (1, h, F, r)
         gt = g[w.at_b : w.at_b + 1, w.at_h].to(t.p.dtype)  # (1, h, F, S)

@@ -308,24 +308,132 @@ def amax(r: Rows) -> torch.Tensor:
     return out
 
 
-def log_weights(r: Rows, t: Tile) -> torch.Tensor:
-    """log p of a tile of complete rows, (1, h, rows, S), normalised by each row's own
-    sum: -inf where a key is excluded (every key of a row that sees none)."""
-    shifted, c, sinks = _shifted(r, t, None)
-    _, total = tile.exponentiate(shifted, c, sinks, keep=True)
-    return tile.log_weights(shifted, total)
+class Source:
+    """The complete rows (every key) of a selection's tiles, one tile at a time, into
+    buffers this source keeps (fresh pages fault on every allocation; a tile's results
+    live until the next tile): `source.tile(t)` for t of `tiles(r, budget)`. both: its
+    readers read p and logp of each tile; else one of them, which may then be computed
+    in place of the scores."""
+
+    def __init__(self, r: Rows, budget: int, both: bool = True):
+        self.r, self.budget, self.both = r._replace(keys=ALL), budget, both
+        self.scoring = tile.Scoring.of(r.inputs)
+        # on CPU without sinks, torch's row-wise softmax and log_softmax of the scores
+        self.lean = r.inputs.sinks is None and r.device.type == "cpu"
+        # no mask: every row sees a key (known from the type), so nothing to repair and
+        # the scores may be overwritten
+        self.in_place = self.lean and r.inputs.mask is None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, t: Tile) -> torch.Tensor:
+        """The buffer `name`, viewed as tile t's (1, h, rows, S)."""
+        if name not in self._buffers:
+            self._buffers[name] = scratch(self.r, self.budget)
+        return in_tile(self._buffers[name], self.r, t)
+
+    def tile(self, t: Tile) -> TileRows:
+        return TileRows(self, t)
+
+
+class TileRows:
+    """One tile of a Source: `where` (the Tile), q (1, h, rows, E) and k (1, hkv, S, E),
+    `raw` the scores before the mask (softcap applied; (1, h, rows, S)), the weights
+    `p` and log-weights `logp` (1, h, rows, S), each computed when first read (rows
+    normalised by their own sum, -inf log where a key is excluded), and the sink's share
+    `p_sink` (1, h, rows) or None. A reader may consume p or logp in place once it no
+    longer needs them. A NaN row is NaN at every key (whole_rows)."""
+
+    whole_rows = True
+
+    def __init__(self, source: Source, t: Tile):
+        r = source.r
+        self.where, self._source = t, source
+        self.q, self.k, lse, sinks, window = operands(r, t)
+        self.raw = tile.scores(self.q, self.k, source.scoring, out=source.buffer("scores", t))
+        capped = source.scoring.softcap is not None  # raw_grad reads the capped scores
+        s = tile.exclude(self.raw.clone() if capped else self.raw, window)
+        self._p = self._logp = None
+        self.p_sink = None
+        if source.lean:
+            self._s = s
+            return
+        shifted, c = tile.shift(s, lse, exact=True)
+        e, total = tile.exponentiate(shifted, c, sinks, keep=True, out=source.buffer("p", t))
+        self._p = e.div_(total)
+        self._shifted, self._total = shifted, total
+        self.p_sink = tile.sink_weight(sinks, c, total)
+
+    def _into(self, name: str) -> torch.Tensor:
+        """Where the lean path writes p or logp: over the scores where the source allows
+        it and this is the tile's last read of them, else the buffer `name`."""
+        src = self._source
+        last = not src.both or name == "logp"
+        if src.in_place and last:
+            if self._s is None:
+                raise RuntimeError("a Source made for one read was read twice (both=False)")
+            out, self._s = self._s, None
+            return out
+        return src.buffer(name, self.where)
+
+    @property
+    def p(self) -> torch.Tensor:
+        if self._p is None:
+            s = self._s
+            every = self._source.in_place
+            self._p = tile.finish(s, lse=False, every_row_sees_a_key=every, out=self._into("p"))[0]
+        return self._p
+
+    @property
+    def logp(self) -> torch.Tensor:
+        if self._logp is None:
+            if not self._source.lean:
+                self._logp = tile.log_weights(self._shifted, self._total)
+                return self._logp
+            if self._source.both:
+                self.p  # noqa: B018 (p first: logp may then overwrite the scores)
+            s, every = self._s, self._source.in_place
+            out = self._into("logp")
+            self._logp = tile.finish(s, lse=False, log=True, every_row_sees_a_key=every, out=out)[0]
+        return self._logp
+
+
+class DenseSource:
+    """A dense target (B|1, Hq|1, L, S) read as a Source: its tiles' p is the target's
+    slice, logp its log."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+
+    def tile(self, t: Tile) -> DenseTile:
+        hs = _heads_slice(t.heads)
+        return DenseTile(t, tile.cut(self.target[t.b : t.b + 1, hs], 2, t.q_rows))
+
+
+class DenseTile(NamedTuple):
+    where: Tile
+    p: torch.Tensor
+    whole_rows = False  # (a NaN may sit at any one key)
+
+    @property
+    def logp(self) -> torch.Tensor:
+        return torch.log(self.p)
 
 
 @_eager
-def kl(r: Rows, other: Callable[[Tile], torch.Tensor], reverse: bool) -> torch.Tensor:
-    """KL(Q || P) per row, (B', H', n), P the weights of `r` (every key), Q = exp of
-    other(tile), the other side's log-weights on the same tile; with reverse, KL(P || Q).
-    A key where the first argument is 0 adds 0; where only the second is, +inf."""
+def kl(r: Rows, other: Callable[[int, bool], Source | DenseSource], reverse: bool) -> torch.Tensor:
+    """KL(Q || P) per row, (B', H', n), P the weights of `r` (every key), Q those of a
+    fresh source other(budget, both) on the same tiles; with reverse, KL(P || Q). A key where the
+    first argument is 0 adds 0; where only the second is, +inf."""
     B, H, n, _ = r.shape
     out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
-    for t in tiles(r, settings.get().chunk_bytes // 2):  # two tiles at once
-        lp, lq = log_weights(r, t), other(t)
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.kl_of(lp, lq, reverse)
+    budget = settings.get().chunk_bytes
+    mine, theirs = Source(r, budget, both=reverse), other(budget, not reverse)
+    for t in tiles(r, budget):
+        a, b = mine.tile(t), theirs.tile(t)
+        first, second = (a, b) if reverse else (b, a)
+        whole = first.whole_rows and second.whole_rows
+        value = tile.kl_of(first.logp, second.logp, first.p, whole_rows=whole)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = value
     return out
 
 

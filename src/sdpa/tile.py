@@ -344,6 +344,12 @@ def exclude(s: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
 
 # -- scores to probabilities ---------------------------------------------------------
 
+# finish's CPU row-wise kernels by log: (with autograd, without autograd into out)
+_ROW_KERNELS = {
+    False: (torch.softmax, torch.ops.aten._softmax.out),
+    True: (torch.log_softmax, torch.ops.aten._log_softmax.out),
+}
+
 
 def finish(
     s: torch.Tensor,
@@ -358,12 +364,14 @@ def finish(
     (log p, lse) with log=True (-inf where a key is excluded). The edge convention of
     the module docstring. sinks (B, H, n|1): one more logit per row whose value is 0.
 
-    lse=False (and no sinks, no log), on CPU: torch's softmax, then one host read of the
-    sum of each row's first weight finds the rare rows to repair (it pays there: one
-    reduction of one column, against a pass over the tile), skipped where the caller
-    knows from the mask's type that every row sees a key (`every_row_sees_a_key`: no
-    mask; then a NaN row is one the listing makes NaN too); elsewhere the path below,
-    which reads nothing on the host. out: where that softmax writes (without autograd).
+    lse=False (and no sinks), on CPU: torch's softmax (or log_softmax with log), then
+    one host read of the sum of each row's first entry finds the rare rows to repair
+    (it pays there: one reduction of one column, against a pass over the tile), skipped
+    where the caller knows from the mask's type that every row sees a key
+    (`every_row_sees_a_key`: no mask; then a NaN row is one the listing makes NaN too);
+    elsewhere the path below, which reads nothing on the host. out: where that softmax
+    writes (without autograd; s itself only where every row sees a key). A NaN row is
+    NaN at every key.
     Otherwise the row max first, then exp, sum and log; in place without autograd.
     Differentiable in s and sinks; the LSE is returned detached."""
     grad = _grad(s, sinks)
@@ -372,11 +380,10 @@ def finish(
         if sinks is not None:
             row_lse = torch.logaddexp(row_lse, sinks.detach().expand_as(row_lse))
         return s, row_lse
-    if not lse and sinks is None and not log and s.is_cpu:
-        if out is None or grad:
-            p = torch.softmax(s, dim=-1)
-        else:  # torch's row-wise kernel, into out: one pass where exp, sum, div take three
-            p = torch.ops.aten._softmax.out(s, -1, False, out=out)
+    if not lse and sinks is None and s.is_cpu:
+        eager, into = _ROW_KERNELS[log]
+        # torch's row-wise kernel, into out: one pass where exp, sum, div take three
+        p = eager(s, dim=-1) if out is None or grad else into(s, -1, False, out=out)
         if every_row_sees_a_key:
             return p, None
         # one host read (CPU only; cheaper than a pass to find them): the first column's
@@ -386,9 +393,10 @@ def finish(
             return p, None
         odd = torch.isnan(p[..., :1])
         dead = odd & torch.isneginf(s.detach().amax(dim=-1, keepdim=True))
+        fill = -torch.inf if log else 0.0
         if grad:  # softmax of a row of -inf has a NaN gradient: recompute it filled
-            return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0), None
-        return p.masked_fill_(dead, 0.0), None
+            return eager(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, fill), None
+        return p.masked_fill_(dead, fill), None
     top = s.detach().amax(dim=-1, keepdim=True)  # (B, H, n, 1): NaN / +inf rows stay so
     dead = torch.isneginf(top)
     top = top.masked_fill(dead, 0.0)
@@ -489,13 +497,23 @@ def rebuild(t: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     return (t if lse is None else t.sub_(lse[..., None])).exp_()
 
 
-def kl_of(logp: torch.Tensor, logq: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """KL(Q || P) = sum_j q (log q - log p) per row of log-weights (B, H, n, m), or with
-    reverse KL(P || Q); 0 * log 0 = 0: a key the first distribution gives 0 adds 0."""
-    first, second = (logp, logq) if reverse else (logq, logp)
-    w = first.exp()
-    terms = torch.where(w > 0, w * (first - second), 0.0)
-    return terms.sum(dim=-1)
+def kl_of(
+    first: torch.Tensor, second: torch.Tensor, weights: torch.Tensor, whole_rows: bool = True
+) -> torch.Tensor:
+    """KL(Q || P) = sum_j q (log q - log p) per row, (B, H, n), from the log-weights
+    first = log q and second = log p (B, H, n, m) and the weights q = exp(first); a key
+    q gives 0 adds 0 (0 log 0 = 0), a key only p excludes +inf. Consumes `first`.
+    A row with a NaN on either side is NaN. whole_rows: a NaN row of q or p is NaN at
+    every key (as `finish` makes them): the 0 x -inf terms are then dropped by a
+    NaN-skipping sum and NaN rows found from their first key; else (a dense target)
+    each key where q = 0 is zeroed and NaN rows found from every key."""
+    if whole_rows:
+        nan = torch.isnan(weights[..., 0]) | torch.isnan(second[..., 0])
+    else:
+        nan = torch.isnan(weights).any(dim=-1) | torch.isnan(second).any(dim=-1)
+    terms = first.sub_(second).mul_(weights)  # NaN where q = 0 and log q = -inf
+    total = terms.nansum(dim=-1) if whole_rows else terms.masked_fill_(weights == 0, 0.0).sum(-1)
+    return total.masked_fill_(nan, torch.nan)
 
 
 def merge(

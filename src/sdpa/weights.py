@@ -216,9 +216,7 @@ class AttentionWeights:
         lse = self._log_sum_exp()
         needs = self._needs()
         if needs is not None and not self._shape_only:
-            lse = grads.read(
-                grads.Spec(self._inputs, lse, self._every_row(), grads.lse_rule(), needs, lse.clone)
-            )
+            lse = grads.read(grads.Spec(self._every_row(), grads.lse_rule(), needs, lse.clone))
         return lse.reshape(self._inputs.shape[:-1])
 
     def __repr__(self) -> str:
@@ -274,8 +272,6 @@ class AttentionWeights:
                 return PROVIDERS[read][0].compute(self, *args)
         value = self._provide(read, *args, held=False)
         spec = grads.Spec(
-            self._inputs,
-            self._log_sum_exp(),
             self._every_row() if selection is None else selection,
             rule(value),
             needs,
@@ -353,7 +349,7 @@ class AttentionWeights:
         if needs is not None:
             value = p
             rule = grads.pairs_rule(qi, kj, S)
-            p = grads.read(grads.Spec(i, lse, self._every_row(), rule, needs, lambda: value))
+            p = grads.read(grads.Spec(self._every_row(), rule, needs, lambda: value))
         return self._lead(p)
 
     def diagonal(self, offset: int = 0) -> torch.Tensor:
@@ -393,8 +389,8 @@ class AttentionWeights:
             o_inputs, o_lse = _aligned(other, head_map, i)
             theirs = rows.Rows.every(o_inputs, o_lse)
 
-            def other_tile(t):
-                return rows.log_weights(theirs, t)
+            def other_source(budget, both=False):
+                return rows.Source(theirs, budget, both)
         elif isinstance(other, torch.Tensor):
             if head_map is not None:
                 raise SdpaValueError(
@@ -404,8 +400,8 @@ class AttentionWeights:
             target = _dense_target(other, i)  # (B|1, Hq|1, L, S)
             theirs = None
 
-            def other_tile(t):
-                return _target_tile(target, t).log()
+            def other_source(budget, both=False):
+                return rows.DenseSource(target)
         else:
             raise SdpaTypeError(
                 f"kl takes AttentionWeights or a dense target tensor (*lead, L, S), got "
@@ -414,19 +410,19 @@ class AttentionWeights:
         if self._shape_only:
             return self._zeros(i.query.shape[2])
         with torch.no_grad(), no_autocast(self.device.type):
-            value = rows.kl(mine, other_tile, reverse)  # (B, Hq, L)
+            value = rows.kl(mine, other_source, reverse)  # (B, Hq, L)
         sides, extras = [], []
         needs = self._needs()
         if needs is not None:
-            rule = grads.kl_rule(other_tile, weighs=reverse)
-            sides.append(grads.Side(i, self._log_sum_exp(), mine, rule, needs))
+            rule = grads.kl_rule(other_source, weighs=reverse)
+            sides.append(grads.Side(mine, rule, needs))
         if theirs is not None and (o_needs := other._needs(theirs.inputs)) is not None:
 
-            def my_tile(t):
-                return rows.log_weights(mine, t)
+            def my_source(budget, both=False):
+                return rows.Source(mine, budget, both)
 
-            rule = grads.kl_rule(my_tile, weighs=not reverse)
-            sides.append(grads.Side(theirs.inputs, theirs.lse, theirs, rule, o_needs))
+            rule = grads.kl_rule(my_source, weighs=not reverse)
+            sides.append(grads.Side(theirs, rule, o_needs))
         if theirs is None and torch.is_grad_enabled() and other.requires_grad:
             extras.append((other, _target_grad(mine, target, other, reverse)))
         if sides or extras:
@@ -479,7 +475,7 @@ class AttentionWeights:
                 sides = []
                 if needs is not None:
                     rule = grads.weighted_rows_rule(ub.detach())
-                    sides.append(grads.Side(i, self._log_sum_exp(), r, rule, needs))
+                    sides.append(grads.Side(r, rule, needs))
                 out = grads.read_sides(lambda v=out: v, sides, extras)
         out = self._lead(out)
         return out[..., 0, :] if vector else out
@@ -755,7 +751,7 @@ class _Selection(NamedTuple):
                 p = rows.dense(r)  # (B', H', n, m)
         if needs is not None:
             value = p
-            p = grads.read(grads.Spec(inputs, lse, r, grads.rows_rule(keys), needs, lambda: value))
+            p = grads.read(grads.Spec(r, grads.rows_rule(keys), needs, lambda: value))
         p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, m)
         has_heads = len(inputs.lead) >= 2
         drop = [*self.lead_items, self.q_item] if has_heads else [*self.lead_items, 0, self.q_item]
@@ -832,9 +828,9 @@ def _aligned(
     other: AttentionWeights, head_map: object, mine: Inputs
 ) -> tuple[Inputs, torch.Tensor]:
     """other's inputs and LSE laid out with these weights' query heads: head h of ours
-    meets head head_map[h] of theirs (h itself without a map), each with its own key
-    head (no grouping left); gathered with autograd, so gradients reach other's own
-    tensors summed over the heads that share them."""
+    meets head head_map[h] of theirs, each with its own key head (no grouping left);
+    gathered with autograd, so gradients reach other's own tensors summed over the heads
+    that share them. Without a map, head h meets head h: other's own inputs (no copy)."""
     o = other._inputs
     B, Hq, L, _ = mine.query.shape
     S = mine.key.shape[2]
@@ -850,7 +846,7 @@ def _aligned(
                 f"these weights have {Hq} heads and the other {Ho}: pass head_map, a list of "
                 f"{Hq} of the other's heads (e.g. [h * {Ho} // {Hq} for h in range({Hq})])"
             )
-        index = torch.arange(Hq)
+        return o._replace(lead=mine.lead), other._log_sum_exp()  # head h meets head h
     else:
         index = _index_list(head_map, Ho, "head_map")
         if index is None or len(index) != Hq:
@@ -894,21 +890,17 @@ def _dense_target(target: torch.Tensor, mine: Inputs) -> torch.Tensor:
     return full.reshape(B, Hq, L, S).to(mine.compute_dtype)
 
 
-def _target_tile(target: torch.Tensor, t: rows.Tile) -> torch.Tensor:
-    """A dense target's slice for one tile, (1, h, rows, S)."""
-    hs = slice(t.heads.start, t.heads.stop, t.heads.step)
-    return tile.cut(target[t.b : t.b + 1, hs], 2, t.q_rows)
-
-
 def _target_grad(mine: rows.Rows, target: torch.Tensor, original: torch.Tensor, reverse: bool):
     """dKL / d(target) as a function of the upstream gradient (B, Hq, L): forward KL(T ||
     P): g (ln T + 1 - ln P); reverse KL(P || T): -g P / T. Dense, as the target is."""
 
     def grad_of(g: torch.Tensor) -> torch.Tensor:
         out = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-        for t in rows.tiles(mine, settings.get().chunk_bytes):
-            logp = rows.log_weights(mine, t)
-            q = _target_tile(target, t)
+        budget = settings.get().chunk_bytes
+        source, dense = rows.Source(mine, budget, both=False), rows.DenseSource(target)
+        for t in rows.tiles(mine, budget):
+            logp = source.tile(t).logp
+            q = dense.tile(t).p
             gt = g[t.at_b : t.at_b + 1, t.at_h, t.at_r][..., None]
             part = -gt * logp.exp() / q if reverse else gt * (torch.log(q) + 1.0 - logp)
             hs = slice(t.heads.start, t.heads.stop, t.heads.step)
