@@ -173,15 +173,15 @@ def test_the_weights_engine_reads_the_chunk_budget(gen):
     q, k, v, mask = make_inputs(gen, Hq=2, L=40, S=50, mask_kind="float")
     w = sdpa.attention(q, k, v, mask).weights
     calls = []
-    real = rows._shifted
+    real = rows.Source.tile
 
-    def counting(r, t, out=None):
+    def counting(source, t):
         calls.append((len(t.heads), t.at_r.stop - t.at_r.start))
-        return real(r, t, out)
+        return real(source, t)
 
     ref = oracle(q, k, v, mask)[1]
     with settings.override(chunk_bytes=5 * 50 * 4), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rows, "_shifted", counting)
+        mp.setattr(rows.Source, "tile", counting)
         sums = w.sum(dim=-2)
     calls = [n for heads, n in calls if heads == 1]
     assert max(calls) == 5 and len(calls) == 2 * 2 * 8  # 5 rows of one head per tile

@@ -230,84 +230,6 @@ def in_tile(buffer: torch.Tensor, r: Rows, t: Tile) -> torch.Tensor:
     return buffer[: math.prod(shape)].view(shape)
 
 
-def _each(r: Rows) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """(tile, shifted scores, shift, sinks) of every tile, reusing one buffer."""
-    if empty(*r.shape):
-        return
-    budget = settings.get().chunk_bytes
-    buffer = scratch(r, budget)
-    for t in tiles(r, budget):
-        yield t, *_shifted(r, t, in_tile(buffer, r, t))
-
-
-@_eager
-def dense(r: Rows) -> torch.Tensor:
-    """The weights of the selection, (B', H', n, m)."""
-    if empty(*r.shape):
-        return torch.zeros(r.shape, dtype=r.dtype, device=r.device)
-    out = torch.empty(r.shape, dtype=r.dtype, device=r.device)
-    budget = settings.get().chunk_bytes
-    buffer = scratch(r, budget) if r.complete else None
-    for t in tiles(r, budget):
-        into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
-        weights(r, t, into, None if buffer is None else in_tile(buffer, r, t))
-    return out
-
-
-@_eager
-def key_sums(r: Rows) -> torch.Tensor:
-    """Sum over the selection's rows (all keys): the attention each key receives,
-    (B', H', S), the tiles' partial sums added in float64 on CPU."""
-    B, H, _, m = r.shape
-    wide = torch.float64 if r.device.type == "cpu" else r.dtype  # tiles' partial sums
-    out = torch.zeros(B, H, m, dtype=wide, device=r.device)
-    for t, shifted, c, sinks in _each(r):
-        e, total = tile.exponentiate(shifted, c, sinks)
-        out[t.at_b : t.at_b + 1, t.at_h] += e.div_(total).sum(dim=-2)
-    return out.to(r.dtype)
-
-
-@_eager
-def entropy(r: Rows) -> torch.Tensor:
-    """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
-    B, H, n, _ = r.shape
-    out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
-    spare = scratch(r, settings.get().chunk_bytes) if not empty(*r.shape) else None
-    for t, shifted, c, sinks in _each(r):
-        e, total = tile.exponentiate(shifted, c, sinks, keep=True, out=in_tile(spare, r, t))
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(
-            shifted, e, total, sinks is not None
-        )
-    return out
-
-
-@_eager
-def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest weights of each row and their key indices, each (B', H', n, k): the
-    top k of the shifted scores, exponentiated and normalised."""
-    B, H, n, _ = r.shape
-    values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.device)
-    indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.device)
-    for t, shifted, c, sinks in _each(r):
-        top, idx = shifted.topk(k, dim=-1)
-        _, total = tile.exponentiate(shifted, c, sinks)
-        values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.weights_at(top, total)
-        indices[t.at_b : t.at_b + 1, t.at_h, t.at_r] = idx
-    return values, indices
-
-
-@_eager
-def amax(r: Rows) -> torch.Tensor:
-    """Each row's largest weight, (B', H', n): exp(max t) / total."""
-    B, H, n, _ = r.shape
-    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
-    for t, shifted, c, sinks in _each(r):
-        top = shifted.amax(dim=-1, keepdim=True)
-        _, total = tile.exponentiate(shifted, c, sinks)
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.weights_at(top, total)[..., 0]
-    return out
-
-
 class Source:
     """The complete rows (every key) of a selection's tiles, one tile at a time, into
     buffers this source keeps (fresh pages fault on every allocation; a tile's results
@@ -362,6 +284,15 @@ class TileRows:
         self._p = e.div_(total)
         self._shifted, self._total = shifted, total
         self.p_sink = tile.sink_weight(sinks, c, total)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """The tile's scores after the mask, up to a shift per row (in the order of the
+        weights), until p or logp is computed over them."""
+        s = self._s if self._source.lean else self._shifted
+        if s is None:
+            raise RuntimeError("the scores of a Source tile were read after p over them")
+        return s
 
     def _into(self, name: str) -> torch.Tensor:
         """Where the lean path writes p or logp: over the scores where the source allows
@@ -419,6 +350,81 @@ class DenseTile(NamedTuple):
         return torch.log(self.p)
 
 
+def _each(r: Rows, both: bool = False) -> Iterator[TileRows]:
+    """The tiles of a selection of complete rows (a Source), reusing its buffers; both:
+    the reader reads p and logp."""
+    if empty(*r.shape):
+        return
+    budget = settings.get().chunk_bytes
+    source = Source(r, budget, both)
+    for t in tiles(r, budget):
+        yield source.tile(t)
+
+
+@_eager
+def dense(r: Rows) -> torch.Tensor:
+    """The weights of the selection, (B', H', n, m)."""
+    if empty(*r.shape):
+        return torch.zeros(r.shape, dtype=r.dtype, device=r.device)
+    out = torch.empty(r.shape, dtype=r.dtype, device=r.device)
+    budget = settings.get().chunk_bytes
+    buffer = scratch(r, budget) if r.complete else None
+    for t in tiles(r, budget):
+        into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
+        weights(r, t, into, None if buffer is None else in_tile(buffer, r, t))
+    return out
+
+
+@_eager
+def key_sums(r: Rows) -> torch.Tensor:
+    """Sum over the selection's rows (all keys): the attention each key receives,
+    (B', H', S), the tiles' partial sums added in float64 on CPU."""
+    B, H, _, m = r.shape
+    wide = torch.float64 if r.device.type == "cpu" else r.dtype  # tiles' partial sums
+    out = torch.zeros(B, H, m, dtype=wide, device=r.device)
+    for tr in _each(r):
+        t = tr.where
+        out[t.at_b : t.at_b + 1, t.at_h] += tr.p.sum(dim=-2)
+    return out.to(r.dtype)
+
+
+@_eager
+def entropy(r: Rows) -> torch.Tensor:
+    """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
+    B, H, n, _ = r.shape
+    out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
+    for tr in _each(r, both=True):
+        t = tr.where
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(tr.p, tr.logp)
+    return out
+
+
+@_eager
+def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest weights of each row and their key indices, each (B', H', n, k): the
+    top k of the scores, their weights gathered."""
+    B, H, n, _ = r.shape
+    values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.device)
+    indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.device)
+    for tr in _each(r):
+        t = tr.where
+        idx = tr.scores.topk(k, dim=-1)[1]  # (the order of the weights, ties by score)
+        values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tr.p.gather(-1, idx)
+        indices[t.at_b : t.at_b + 1, t.at_h, t.at_r] = idx
+    return values, indices
+
+
+@_eager
+def amax(r: Rows) -> torch.Tensor:
+    """Each row's largest weight, (B', H', n)."""
+    B, H, n, _ = r.shape
+    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    for tr in _each(r):
+        t = tr.where
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tr.p.amax(dim=-1)
+    return out
+
+
 @_eager
 def kl(r: Rows, other: Callable[[int, bool], Source | DenseSource], reverse: bool) -> torch.Tensor:
     """KL(Q || P) per row, (B', H', n), P the weights of `r` (every key), Q those of a
@@ -443,11 +449,10 @@ def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
     B, H, _, m = r.shape
     F = u.shape[2]
     out = torch.zeros(B, H, F, m, dtype=r.dtype, device=r.device)
-    for t, shifted, c, sinks in _each(r):
-        e, total = tile.exponentiate(shifted, c, sinks)
-        p = e.div_(total)  # (1, h, rows, S)
+    for tr in _each(r):
+        t = tr.where
         ut = u[t.at_b : t.at_b + 1, t.at_h][..., t.at_r].to(r.dtype)  # (1, h, F, rows)
-        out[t.at_b : t.at_b + 1, t.at_h] += torch.matmul(ut, p)
+        out[t.at_b : t.at_b + 1, t.at_h] += torch.matmul(ut, tr.p)  # p (1, h, rows, S)
     return out
 
 
@@ -456,11 +461,10 @@ def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     """d(u^T P)/du given the upstream g (B', H', F, S): g P^T, (B', H', F, n)."""
     B, H, n, _ = r.shape
     out = torch.empty(B, H, g.shape[2], n, dtype=r.dtype, device=r.device)
-    for t, shifted, c, sinks in _each(r):
-        e, total = tile.exponentiate(shifted, c, sinks)
-        p = e.div_(total)
+    for tr in _each(r):
+        t = tr.where
         gt = g[t.at_b : t.at_b + 1, t.at_h].to(r.dtype)  # (1, h, F, S)
-        out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, p.mT)
+        out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, tr.p.mT)
     return out
 
 

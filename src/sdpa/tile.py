@@ -13,7 +13,7 @@ rows engine and the backward of the reads, and ring attention's block math.
     values(p, v)                  p v, grouped-query heads folded in
     finish(s, sinks)              probabilities and the LSE: the edge convention below
     shift, exponentiate,          probabilities from an LSE computed elsewhere (or the
-    weights_at, log_weights,      row max), normalised by each row's own sum, their
+    log_weights,                  row max), normalised by each row's own sum, their
     sink_weight, entropy_of,      logs, the sink's share, the entropy and KL of rows,
     kl_of, rebuild                a selection of keys (rebuild)
     merge(a, b), add_sinks(...)   partial (out, lse) over disjoint keys, exactly
@@ -458,12 +458,6 @@ def exponentiate(
     return e, normalizer(e, c, sinks)
 
 
-def weights_at(shifted: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """The weights exp(t) / total of some shifted scores t (..., k) of rows whose
-    normaliser is total (..., 1) (the winners of a top-k, a row max), in place."""
-    return shifted.exp_().div_(total)
-
-
 def log_weights(shifted: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """log p = t - ln(total) of shifted scores t, in place: -inf where excluded."""
     return shifted.sub_(total.log())
@@ -476,18 +470,14 @@ def sink_weight(
     return None if sinks is None else (torch.exp(sinks[..., None] - c) / total)[..., 0]
 
 
-def entropy_of(
-    t: torch.Tensor, e: torch.Tensor, total: torch.Tensor, sinks: bool = False
-) -> torch.Tensor:
-    """-sum_j p_ij ln p_ij over the keys from shifted scores t, e = exp(t) and the rows'
-    normalizer (p = e / total): ln(total) sum_j p - sum_j e t / total, (B, H, n), for any
-    shift (no cancellation against the LSE); sum_j p = 1 but with sinks. Excluded keys
-    (t = -inf, e = 0) add 0; a row that sees no key gives 0; NaN rows stay NaN.
-    Consumes t."""
-    total = total[..., 0]
-    mass = e.sum(dim=-1) / total if sinks else 1.0
-    et = t.clamp_(min=torch.finfo(t.dtype).min).mul_(e)  # 0 * -inf -> 0 (NaN stays NaN)
-    return torch.log(total) * mass - et.sum(dim=-1) / total
+def entropy_of(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """-sum_j p ln p per row, (B, H, n), of weights p and their logs (B, H, n, m), as
+    `finish` makes them (a NaN row is NaN at every key; log p <= 0, so the entropy is
+    never negative): 0 ln 0 = 0 (an excluded key, a row that sees no key), NaN rows
+    stay NaN. Consumes logp."""
+    nan = torch.isnan(p[..., 0])
+    plogp = logp.mul_(p).nansum(dim=-1)  # (0 x -inf: NaN, skipped)
+    return plogp.neg_().add_(0.0).masked_fill_(nan, torch.nan)  # (+0, not -0)
 
 
 def rebuild(t: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
