@@ -59,15 +59,24 @@ def _measure_peak(c: Comparison, side: str) -> None:
         print(peak_mib_of(fn))
 
 
-def run(comparisons: list[Comparison], quick: bool, memory: bool, script: list[str]) -> list[dict]:
+def run(
+    comparisons: list[Comparison],
+    quick: bool,
+    memory: bool,
+    script: list[str],
+    reps: int | None = None,
+) -> list[dict]:
     """Time every comparison; script: how to start this benchmark in a fresh process
-    (argv after the interpreter) for the peak-memory runs."""
+    (argv after the interpreter) for the peak-memory runs; reps: the repetitions of
+    each side (default 15, 5 with quick; six times that for cases of several calls)."""
+    chosen_reps = reps
     results = []
     widths = column_widths(comparisons)
     for c in comparisons:
         names = {"ours": c.ours[0], "peer": c.peer[0]}
         fns = {"ours": c.ours[1](), "peer": c.peer[1]()}
-        reps = max(3, (5 if quick else 15) * (1 if c.calls_per_rep == 1 else 6))
+        per = chosen_reps or (5 if quick else 15)
+        reps = max(1 if chosen_reps else 3, per * (1 if c.calls_per_rep == 1 else 6))
         times: dict[str, list[float]] = {"ours": [], "peer": []}
         with torch.set_grad_enabled(c.grad):
             for side in fns:  # warm up
@@ -188,8 +197,13 @@ def main(
     parser.add_argument("--json", help="write results and environment here")
     parser.add_argument("--markdown", help="print the table of an earlier --json run and exit")
     parser.add_argument("--only", help="run only the cases whose id contains this")
+    parser.add_argument(
+        "--reps", type=int, help="repetitions of each side (default 15; --quick 5): long cases"
+    )
     parser.add_argument("--peak", nargs=2, metavar=("CASE", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        parser.error(f"--reps must be at least 1, got {args.reps}")
     by_case = {c.case: c for c in comparisons}
     if args.peak:
         _measure_peak(by_case[args.peak[0]], args.peak[1])
@@ -201,7 +215,7 @@ def main(
     chosen = [c for c in comparisons if args.only is None or args.only in c.case]
     env = environment()
     print(f"environment: {env}")
-    results = run(chosen, args.quick, memory=not args.no_memory, script=[script])
+    results = run(chosen, args.quick, memory=not args.no_memory, script=[script], reps=args.reps)
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -8,12 +8,15 @@ is a selection (batch elements, query heads, query rows, keys) of one call's wei
 the work is cut into tiles of at most `chunk_bytes` (sdpa.settings) of weights: a whole
 batch element when it fits, else row chunks of one head, so no read allocates L x S.
 
-Each tile is a driver's call of the tile rule: scores, the window's mask, then either
-`tile.rebuild` (the LSE as the shift, rows normalised by their own sum where the tile
-holds every key) or, for rows whose |lse| is past `exact_lse_limit`, `tile.finish`
-(the row max as the shift: the LSE of such a row has lost digits in float32). A tile
-over a selection of keys (reads over the key dim, pairs) cannot normalise its rows:
-p = exp(s - lse), and rows past the limit are read whole (`needs_every_key`).
+Each tile is a driver's call of the tile rule. A `Source` gives the tiles of complete
+rows (every key): scores, the window's mask, then `tile.finish` (torch's row-wise
+softmax and log_softmax on CPU, the row max as the shift) into buffers it keeps; the
+statistics, the KL and the reads' backward read those. The dense reads (`dense`) shift
+by the LSE (`tile.rebuild` of the folded product, rows normalised by their own sum), or
+by the row max for rows whose |lse| is past `exact_lse_limit` (the LSE of such a row
+has lost digits in float32). A tile over a selection of keys (reads over the key dim,
+pairs) cannot normalise its rows: p = exp(s - lse), and rows past the limit are read
+whole (`needs_every_key`).
 """
 
 from __future__ import annotations
