@@ -365,7 +365,8 @@ def measured_limits(results: list[dict]) -> None:
     peers = {r["case"]: r for r in results if r["peer"] is None}
     for r in results:
         peer = peers.get(r["case"])
-        if r["case"].startswith("kl ") and r["peer"] and peer and peer["peak_mib"]:
+        listing = peer is not None and peer["impl"].startswith("listing")
+        if r["case"].startswith("kl ") and r["peer"] and listing and peer["peak_mib"]:
             r["max_peak_mib"] = peer["peak_mib"] / 30
 
 

@@ -299,3 +299,28 @@ def test_bench_lines_stay_aligned_with_long_names():
     assert len({line.index(" x0.500") for line in lines}) == 1
     assert all(line.startswith(c) for line, c in zip(lines[::2], (c.case for c in comparisons),
                                                      strict=False))  # fmt: skip
+
+
+def test_bench_reps_sets_the_repetitions_of_each_side(tmp_path):
+    """--reps N: each side timed N times (a long case's run), a bad N refused by name."""
+    from sdpa import benchmark
+
+    calls = {"ours": 0, "peer": 0}
+
+    def side(name):
+        def setup():
+            def fn():
+                calls[name] += 1
+
+            return fn
+
+        return name, setup
+
+    c = benchmark.Comparison("tiny", "()", "float32", side("ours"), side("peer"))
+    out = tmp_path / "r.json"
+    argv = ["--reps", "2", "--no-memory", "--json", str(out)]
+    assert benchmark.main([c], __file__, "doc", argv) == 0
+    assert calls == {"ours": 3, "peer": 3}  # one warm-up and two timed calls each
+    assert all(r["reps"] == 2 for r in json.loads(out.read_text())["results"])
+    with pytest.raises(SystemExit):
+        benchmark.main([c], __file__, "doc", ["--reps", "0"])
