@@ -298,6 +298,34 @@ def test_kl_gradients_into_both_sides_with_a_head_map(gen):
             torch.testing.assert_close(got.grad.double(), r.grad, atol=5e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("groups", [(8, 8, 8, 2), (8, 2, 8, 8), (8, 4, 8, 2), (8, 2, 8, 4)])
+@pytest.mark.parametrize("chunk", [None, 4 * 11 * 4 * 3])
+def test_kl_without_a_head_map_between_other_key_head_groups(gen, groups, chunk):
+    """Without a head map head h meets head h, each side with its own key heads (no
+    copy of the other side's inputs): the tiles cut by the student's grouping also fit
+    the teacher's, whole heads at once or (a tiny chunk) one head at a time."""
+    hs, ks, ht, kt = groups
+    B, L, S = 1, 9, 11
+    leaves = [
+        randn(gen, B, n, m, 8).requires_grad_() for n, m in ((hs, L), (ks, S), (ht, L), (kt, S))
+    ]
+    tuning = {"small_weights": 0, "one_product_weights": 0} | (
+        {} if chunk is None else {"chunk_bytes": chunk}
+    )
+    with settings.override(**tuning):
+        w_s = sdpa.attention(leaves[0], leaves[1], leaves[1]).weights
+        w_t = sdpa.attention(leaves[2], leaves[3], leaves[3]).weights
+        kl = w_s.kl(w_t)
+    kl.sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    p_s, p_t = oracle(ref[0], ref[1], ref[1])[1], oracle(ref[2], ref[3], ref[3])[1]
+    want = (p_t * (p_t.log() - p_s.log())).sum(-1)
+    torch.testing.assert_close(kl.double(), want.detach(), atol=2e-5, rtol=0)
+    want.sum().backward()
+    for got, r in zip(leaves, ref, strict=True):
+        torch.testing.assert_close(got.grad.double(), r.grad, atol=5e-6, rtol=1e-4)
+
+
 def test_kl_gradients_with_sinks_on_either_side(gen):
     """With sinks a side's weights sum to less than 1: the KL's gradient then has terms
     that vanish without them (into the side that weighs the sum: Q (1 - sum Q))."""
