@@ -251,6 +251,7 @@ TABLES: dict[str, Table] = {
     "decode": comparisons("decode.json", DECODE),
     "generation": comparisons("decode.json", GENERATION),
     "train": comparisons("train.json"),
+    "train-1024": comparisons("train_1024.json"),
     "train-16384": comparisons("train_16384.json"),
     "interp": comparisons("interp.json"),
     "interp-8192": comparisons("interp_8192.json"),
