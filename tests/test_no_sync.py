@@ -228,6 +228,8 @@ def _calls(device: str, kind: str, dtype, L: int, S: int):
         "sum": lambda: w.sum(dim=-2),
         "entropy": w.entropy,
         "amax": w.amax,
+        "topk": lambda: w.topk(min(2, S))[0],
+        "kl": lambda: w.kl(w, reverse=True),
         "max logits": lambda: w.max_logits().row,
     }
     with torch.no_grad():
