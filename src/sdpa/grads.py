@@ -82,11 +82,8 @@ def backward(
     scoring = tile.Scoring.of(inputs)
     L = q_all.shape[2]
     group = inputs.group
-    sel = sel._replace(keys=rows.ALL)
-    budget = settings.get().chunk_bytes
-    source = rows.Source(sel, budget, both=rule.logp)
-    for t in rows.tiles(sel, budget):
-        tr = source.tile(t)
+    for tr in rows.each(sel._replace(keys=rows.ALL), both=rule.logp):
+        t = tr.where
         q, k, raw = tr.q, tr.k, tr.raw  # (raw: read only under a softcap, where p is apart)
         ds, dsink = rule.grad(tr, g)
         hs = slice(t.heads.start, t.heads.stop, t.heads.step)

@@ -353,9 +353,10 @@ class DenseTile(NamedTuple):
         return torch.log(self.p)
 
 
-def _each(r: Rows, both: bool = False) -> Iterator[TileRows]:
-    """The tiles of a selection of complete rows (a Source), reusing its buffers; both:
-    the reader reads p and logp."""
+def each(r: Rows, both: bool = False) -> Iterator[TileRows]:
+    """The tiles of a selection of complete rows, `tiles(r, chunk_bytes)` read through
+    one Source (its buffers reused); both: the reader reads p and logp. The statistics
+    and the reads' backward iterate this."""
     if empty(*r.shape):
         return
     budget = settings.get().chunk_bytes
@@ -385,7 +386,7 @@ def key_sums(r: Rows) -> torch.Tensor:
     B, H, _, m = r.shape
     wide = torch.float64 if r.device.type == "cpu" else r.dtype  # tiles' partial sums
     out = torch.zeros(B, H, m, dtype=wide, device=r.device)
-    for tr in _each(r):
+    for tr in each(r):
         t = tr.where
         out[t.at_b : t.at_b + 1, t.at_h] += tr.p.sum(dim=-2)
     return out.to(r.dtype)
@@ -396,7 +397,7 @@ def entropy(r: Rows) -> torch.Tensor:
     """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
     B, H, n, _ = r.shape
     out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
-    for tr in _each(r, both=True):
+    for tr in each(r, both=True):
         t = tr.where
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(tr.p, tr.logp)
     return out
@@ -409,7 +410,7 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, n, _ = r.shape
     values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.device)
     indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.device)
-    for tr in _each(r):
+    for tr in each(r):
         t = tr.where
         idx = tr.scores.topk(k, dim=-1)[1]  # (the order of the weights, ties by score)
         values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tr.p.gather(-1, idx)
@@ -422,7 +423,7 @@ def amax(r: Rows) -> torch.Tensor:
     """Each row's largest weight, (B', H', n)."""
     B, H, n, _ = r.shape
     out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
-    for tr in _each(r):
+    for tr in each(r):
         t = tr.where
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tr.p.amax(dim=-1)
     return out
@@ -452,7 +453,7 @@ def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
     B, H, _, m = r.shape
     F = u.shape[2]
     out = torch.zeros(B, H, F, m, dtype=r.dtype, device=r.device)
-    for tr in _each(r):
+    for tr in each(r):
         t = tr.where
         ut = u[t.at_b : t.at_b + 1, t.at_h][..., t.at_r].to(r.dtype)  # (1, h, F, rows)
         out[t.at_b : t.at_b + 1, t.at_h] += torch.matmul(ut, tr.p)  # p (1, h, rows, S)
@@ -464,7 +465,7 @@ def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     """d(u^T P)/du given the upstream g (B', H', F, S): g P^T, (B', H', F, n)."""
     B, H, n, _ = r.shape
     out = torch.empty(B, H, g.shape[2], n, dtype=r.dtype, device=r.device)
-    for tr in _each(r):
+    for tr in each(r):
         t = tr.where
         gt = g[t.at_b : t.at_b + 1, t.at_h].to(r.dtype)  # (1, h, F, S)
         out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, tr.p.mT)
