@@ -69,19 +69,18 @@ def run(
     """Time every comparison; script: how to start this benchmark in a fresh process
     (argv after the interpreter) for the peak-memory runs; reps: the repetitions of
     each side (default 15, 5 with quick; six times that for cases of several calls)."""
-    chosen_reps = reps
     results = []
     widths = column_widths(comparisons)
     for c in comparisons:
         names = {"ours": c.ours[0], "peer": c.peer[0]}
         fns = {"ours": c.ours[1](), "peer": c.peer[1]()}
-        per = chosen_reps or (5 if quick else 15)
-        reps = max(1 if chosen_reps else 3, per * (1 if c.calls_per_rep == 1 else 6))
+        per = reps or (5 if quick else 15)
+        count = max(1 if reps else 3, per * (1 if c.calls_per_rep == 1 else 6))
         times: dict[str, list[float]] = {"ours": [], "peer": []}
         with torch.set_grad_enabled(c.grad):
             for side in fns:  # warm up
                 _time(fns[side], c.calls_per_rep)
-            for _ in range(reps):
+            for _ in range(count):
                 for side in fns:
                     times[side].append(_time(fns[side], c.calls_per_rep))
         del fns
@@ -97,7 +96,7 @@ def run(
                 "gflops": None if c.flop is None else c.flop / med[side] / 1e9,
                 "ratio": med[side] / med["peer"],
                 "target": c.target if side == "ours" else None,
-                "reps": reps,
+                "reps": count,
                 "calls_per_rep": c.calls_per_rep,
                 "grad": c.grad,
                 "length": c.length,
