@@ -3,7 +3,8 @@
 Where a new test goes:
 - oracle.py is the one float64 reference; tolerances.py holds every tolerance and the
   flash-attention rule (within_rule); engines.py the engines every oracle matrix runs
-  (ENGINES, run, refusal).
+  (ENGINES, BACKEND_ENGINES: from the registry; run, refusal, skip_refused). A test over
+  engines takes them from there, never a list of backend names: test_engines_listed.py.
 - a rule of the tile rule (sdpa.tile: scale 0, rows that see no key, NaN, huge |lse|)
   on every engine: test_rules.py; precision by the rule: test_precision.py.
 - outputs against the oracle: test_functional.py (backends, masks, sizes, GQA),

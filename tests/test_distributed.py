@@ -244,7 +244,7 @@ def test_the_math_block_kernels_match_the_fused_ones(gen, causal, chunk_bytes):
     fused = aten.CPU_FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=0.4)
     out, lse = fused
     grads = aten.CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=0.4)
-    chunking = {} if chunk_bytes is None else {"math_chunk_bytes": chunk_bytes}
+    chunking = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
     with sdpa.settings.override(**chunking):
         math = kernels._math_forward(q, k, v, bias, causal, 0.4)
         mine = kernels._math_backward(dout, q, k, v, out, lse, bias, causal, 0.4)

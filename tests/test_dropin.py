@@ -53,6 +53,21 @@ def test_enable_gqa(gen):
     same_as_torch(q, k[:, :1], v[:, :1])
 
 
+@pytest.mark.parametrize("hk,hv", [(4, 2), (2, 4), (8, 2), (1, 4), (4, 8)])
+def test_enable_gqa_takes_key_and_value_of_other_head_counts(gen, hk, hv):
+    """torch's enable_gqa takes key and value heads that each divide the query heads."""
+    q = randn(gen, 2, 8, 5, 16)
+    k, v = randn(gen, 2, hk, 7, 16), randn(gen, 2, hv, 7, 12)
+    same_as_torch(q, k, v, enable_gqa=True)
+    same_as_torch(q, k, v, randn(gen, 1, 8, 5, 7), enable_gqa=True)
+    out, w = sdpa.attention(q, k, v)  # attention takes them too, with the weights
+    p = torch.softmax(q @ k.repeat_interleave(8 // hk, 1).mT / 4, dim=-1)
+    torch.testing.assert_close(w.full(), p, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, p @ v.repeat_interleave(8 // hv, 1), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"each must divide the query heads.* 3 key heads"):
+        sdpa.scaled_dot_product_attention(q, randn(gen, 2, 3, 7, 16), v, enable_gqa=True)
+
+
 def test_dims_2_3_5(gen):
     same_as_torch(randn(gen, 4, 8), randn(gen, 6, 8), randn(gen, 6, 3))
     same_as_torch(randn(gen, 2, 4, 8), randn(gen, 1, 6, 8), randn(gen, 1, 6, 3))

@@ -5,9 +5,7 @@ TransformerLens hooks on a bridge on sdpa against the same hooks on eager."""
 from __future__ import annotations
 
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -190,18 +188,184 @@ def test_on_layers_is_an_edit_fn(qkv):
     assert out.shape == (B, H, L, E) and out[:, 0].abs().max() == 0
 
 
+def test_on_layers_and_on_modules_check_their_arguments(qkv):
+    q, k, v, _ = qkv
+    with pytest.raises(sdpa.SdpaTypeError, match=r"layer numbers as ints.*\[\[1, 2\]\]"):
+        edits.ZeroAblate([0]).on_layers([1, 2])
+    with pytest.raises(sdpa.SdpaValueError, match="kind must be 'self' or 'cross'"):
+        edits.ZeroAblate([0]).on_layers(1, kind="encoder")
+    with pytest.raises(sdpa.SdpaTypeError, match="module paths"):
+        edits.ZeroAblate([0]).on_modules()
+    info = type("Info", (), {"layer": 1, "scale": None})()  # an info of another host
+    with pytest.raises(sdpa.SdpaTypeError, match=r"info.stack, info.kind"):
+        edits.ZeroAblate([0]).on_layers(1, stack="decoder")(info, q, k, v, None)
+    with pytest.raises(sdpa.SdpaTypeError, match=r"info.path"):
+        edits.ZeroAblate([0]).on_modules("model.layers.1")(info, q, k, v, None)
+
+
+def test_a_layout_chooses_one_stack_or_refuses():
+    """The choice on_layers makes among a model's stacks (as an encoder-decoder's are),
+    and two modules of one stack that share a layer number (both would be replaced)."""
+    sites = [edits.Site(f"model.{part}.layers.{i}.{name}", f"model.{part}.layers", kind, i)
+             for part, name, kind in [("encoder", "self_attn", "self"),
+                                      ("decoder", "self_attn", "self"),
+                                      ("decoder", "encoder_attn", "cross")]
+             for i in range(2)]  # fmt: skip
+    layout = edits.Layout(sites)
+    assert layout.choose((1,), "decoder", "cross", "f") == {("model.decoder.layers", "cross")}
+    assert layout.choose((), "decoder", None, "f") == {
+        ("model.decoder.layers", "self"), ("model.decoder.layers", "cross")
+    }  # fmt: skip
+    assert layout.choose((), None, None, "f") is None  # every call
+    assert layout.short("model.decoder.layers") == "decoder"
+    with pytest.raises(sdpa.SdpaValueError, match=r"f is ambiguous.*3 calls"):
+        layout.choose((1,), None, None, "f")
+    with pytest.raises(sdpa.SdpaValueError, match="names no attention stack"):
+        layout.choose((1,), "decoder.layers.1", "self", "f")
+    assert layout.modules(("model.decoder.layers.0",), "f") == {
+        "model.decoder.layers.0.self_attn", "model.decoder.layers.0.encoder_attn"
+    }  # fmt: skip
+    single = edits.Layout([edits.Site("h.0.attn", "h", "self", 0)])
+    assert single.choose((0,), None, None, "f") is None  # one stack: every call's
+    single.add(edits.Site("h.0.attn2", "h", "self", 0))  # a module the model showed late
+    with pytest.raises(sdpa.SdpaValueError, match=r"2 attention modules of stack 'h'"):
+        single.choose((0,), None, None, "f")
+
+
+# ---- composition ----
+
+
+class _Halve(edits.Edit):
+    """An edit of one's own, with a dense form only: head 0's pattern halved."""
+
+    def dense(self, p, where=None):
+        at = self._where(p, where)
+        return p * torch.where(at.h == 0, 0.5, 1.0).to(p.dtype)[:, None, None]
+
+
+def chains(ref: torch.Tensor) -> dict:
+    """Chains of edits, each a list applied in order."""
+    return {
+        "scale_zero": [edits.ScaleHeads({0: 0.5, 2: 3.0}), edits.ZeroAblate([2, 3])],
+        "knock_zero_pattern_scale": [
+            edits.KnockOut([299, 200, 5], [0, 3, 17], heads=[1, 2]),
+            edits.KnockOut([6, 7], [0, 1]),
+            edits.ZeroPattern(slice(100, None), [0, 1, 2, 77]),
+            edits.ScaleHeads({1: 2.0}),
+        ],
+        "overlapping_zeros": [
+            edits.ZeroPattern(slice(100, None), [0, 1, 2, 77]),
+            edits.ZeroPattern(slice(50, 150), [1, 2, 5], heads=[0, 1]),
+        ],
+        "zero_mean_scale": [
+            edits.ZeroPattern(slice(100, None), [0, 1], heads=[2]),  # undone by the mean
+            edits.MeanAblate([2], ref),
+            edits.ScaleHeads({2: 2.0, 0: 0.5}),
+        ],
+        "patch_ablate_zero": [
+            edits.PatchPattern(ref[:1], heads=[0, 3]),
+            edits.ZeroAblate([3]),
+            edits.ZeroPattern(slice(10, None), [4], heads=[1]),
+        ],
+        "zeros_in_a_patch": [  # the dense route: entries zeroed in a replaced pattern
+            edits.PatchPattern(ref[:1], heads=[0]),
+            edits.ZeroPattern(slice(100, None), [0, 1]),
+        ],
+        "freeze_scale": [edits.FreezePattern([1]), edits.ScaleHeads({1: 2.0, 0: 0.0})],
+        "own_edit": [edits.ScaleHeads({1: 3.0}), _Halve()],  # the dense route
+    }
+
+
+def chain_dense(chain):
+    """The chain on the dense scores s: its knock-outs on s, the softmax, then each
+    pattern edit's dense form, in order."""
+
+    def apply(s):
+        for e in chain:
+            if e.point == "hook_attn_scores":
+                s = e.dense(s)
+        p = _softmax(s)
+        for e in chain:
+            if e.point != "hook_attn_scores":
+                p = e.dense(p)
+        return p
+
+    return apply
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("name", list(chains(torch.zeros(1))))
+def test_composed_fused_equals_the_dense_composition(name, mask_kind, qkv, monkeypatch):
+    q, k, v, g = qkv
+    ref = _reference_pattern(torch.Generator().manual_seed(0))
+    chain = chains(ref)[name]
+    mask = sdpa_mask(mask_kind, g)
+    want = listing(q, k, v, mask, chain_dense(chain))
+    calls = []
+    counted = lambda *a, **kw: calls.append(1) or attention(*a, **kw)  # noqa: E731
+    attention = edits.attention
+    monkeypatch.setattr(edits, "attention", counted)
+    got = edits.Compose(*chain).fused(q, k, v, mask)
+    monkeypatch.undo()
+    torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
+    if name in ("scale_zero", "knock_zero_pattern_scale", "overlapping_zeros"):
+        assert len(calls) == 1  # the whole chain: one fused call
+    plain = sdpa.attention(q, k, v, mask).output
+    assert (got - plain).abs().max() > 1e-3
+    nested = edits.Compose(chain[0], edits.Compose(*chain[1:]))  # nesting: the same chain
+    torch.testing.assert_close(nested.fused(q, k, v, mask), got, atol=1e-6, rtol=0)
+
+
+def test_composed_gradients_equal_the_dense_composition(qkv):
+    """Freezing after a head scale holds that factor too, as p.detach() does."""
+    q, k, v, _ = qkv
+    q, k, v = (t.double()[:, :, :50].requires_grad_() for t in (q, k, v))
+    a = torch.tensor([2.0, 0.5, 1.5, 1.0], dtype=torch.float64, requires_grad=True)
+    chain = [
+        edits.KnockOut([40, 41], [0, 1]),
+        edits.ScaleHeads(a),
+        edits.FreezePattern([1]),
+        edits.ZeroPattern(slice(10, None), [0, 4]),
+    ]
+    mask = masks.causal()
+
+    def ref(q, k, v):
+        s = (E**-0.5) * (q @ k.repeat_interleave(2, 1).mT)
+        s = s.masked_fill(~mask.materialize(50, 50), -math.inf)
+        return chain_dense(chain)(s) @ v.repeat_interleave(2, 1)
+
+    w = torch.randn(B, H, 50, E, dtype=torch.float64)
+    got = torch.autograd.grad((edits.Compose(*chain).fused(q, k, v, mask) * w).sum(), (q, k, v, a))
+    want = torch.autograd.grad((ref(q, k, v) * w).sum(), (q, k, v, a))
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-8, rtol=0)
+    assert got[3][1] == 0 and got[3][0] != 0  # head 1's factor frozen with its pattern
+
+
+def test_compose_refuses_what_it_cannot_mean():
+    with pytest.raises(sdpa.SdpaValueError, match="put the knock-outs first"):
+        edits.Compose(edits.ZeroAblate([0]), edits.KnockOut([1], [0]))
+    with pytest.raises(sdpa.SdpaTypeError, match=r"Compose\(a, b\).on_layers\(1\)"):
+        edits.Compose(edits.ZeroAblate([0]).on_layers(1))
+    mixed = edits.Compose(edits.KnockOut([1], [0]), edits.ZeroAblate([0]))
+    with pytest.raises(sdpa.SdpaValueError, match=r"\.scores\.dense\(scores\)"):
+        mixed.dense(torch.zeros(B, H, L, S))
+    assert [name for name, _ in mixed.hooks(1)] == [
+        "blocks.1.attn.hook_attn_scores", "blocks.1.attn.hook_pattern"
+    ]  # fmt: skip
+
+
 # ---- as TransformerLens hooks ----
 
 
 @pytest.fixture(scope="module")
 def bridges(tmp_path_factory):
     pytest.importorskip("transformer_lens")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import tl_zoo
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import sdpa.integrations.transformer_lens as sdpa_tl
+    import tl_zoo
 
     tl_zoo.no_installs()
     tok = tl_zoo.tokenizer()
@@ -240,6 +404,18 @@ def test_edits_as_transformer_lens_hooks(bridges):
             edits.PatchPattern(c0["pattern", 1], heads=[0, 3]),
             edits.PatchPattern(c1["pattern", 1], heads=[0, 3]),
         ),
+        "compose": (
+            edits.Compose(edits.ScaleHeads({0: 0.5}), edits.ZeroPattern(slice(100, None), [0, 1])),
+        )
+        * 2,
+        "compose_scores_and_pattern": (  # two hooks: hook_attn_scores, then hook_pattern
+            edits.Compose(edits.KnockOut([L - 1, 200], [0, 5], heads=[1]), edits.ZeroAblate([2])),
+        )
+        * 2,
+        "compose_knock_outs": (
+            edits.Compose(edits.KnockOut([L - 1, 200], [0, 5, 17]), edits.KnockOut([100], [3])),
+        )
+        * 2,
     }
     for name, (e0, e1) in pairs.items():
         before = deferred.fallbacks()

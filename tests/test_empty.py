@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import sdpa
+from engines import BACKEND_ENGINES, run_or_skip
 
 from conftest import randn
 
@@ -68,36 +69,41 @@ def test_drop_in_is_torch_on_empty_shapes(gen, name, mask_kind):
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["auto", "fused", "chunked", "reference"])
+@pytest.mark.parametrize("engine", ["auto", *BACKEND_ENGINES])
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_attention_and_every_statistic_on_empty_shapes(gen, name, mask_kind, backend):
+def test_attention_and_every_statistic_on_empty_shapes(gen, name, mask_kind, engine):
     q, k, v, mask = inputs(gen, SHAPES[name], mask_kind)
     B, Hq, _, L, S, _, Ev = SHAPES[name]
     causal = mask_kind == "causal" and L == S
     p = expected_weights(q, k, mask, causal)  # (B, Hq, L, S)
-    out, w = sdpa.attention(q, k, v, mask, causal=causal, backend=backend)
+    out, w, reads = run_or_skip(engine, q, k, v, mask, causal=causal)
     group = Hq // k.shape[1] if k.shape[1] else 1
     want = p @ v.double().repeat_interleave(group, dim=1)  # (B, Hq, L, Ev)
     assert out.shape == (B, Hq, L, Ev)
     torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
 
-    assert w.shape == (B, Hq, L, S)
-    torch.testing.assert_close(w.full().double(), p, atol=1e-6, rtol=0)
-    torch.testing.assert_close(w[...].double(), p, atol=1e-6, rtol=0)
-    if B:
-        torch.testing.assert_close(w[0].double(), p[0], atol=1e-6, rtol=0)
-    assert w.lse.shape == (B, Hq, L)
-    # (sums of up to L weights, from one fused call: float32 relative error)
-    torch.testing.assert_close(w.sum(dim=-2).double(), p.sum(-2), atol=1e-6, rtol=2e-6)
-    torch.testing.assert_close(w.mean(dim=-2).double(), p.sum(-2) / max(L, 1), atol=1e-6, rtol=2e-6)
-    logp = p.log().nan_to_num(0.0, neginf=0.0)
-    # (the entropy is lse - scale * q . PK in float32: a difference of two O(1) terms;
-    # seed 1487052650 gives 1.27e-6 on Ev=0)
-    torch.testing.assert_close(w.entropy().double(), -(p * logp).sum(-1), atol=4e-6, rtol=2e-6)
-    amax = p.amax(-1) if S else torch.zeros(B, Hq, L, dtype=torch.float64)
-    torch.testing.assert_close(w.amax().double(), amax, atol=1e-6, rtol=0)
-    for kk in {0, min(1, S), S}:
-        values, indices = w.topk(kk)
-        assert values.shape == indices.shape == (B, Hq, L, kk)
-        torch.testing.assert_close(values.double(), p.topk(kk, dim=-1).values, atol=1e-6, rtol=0)
+    with reads:  # the settings the engine's reads run under
+        assert w.shape == (B, Hq, L, S)
+        torch.testing.assert_close(w.full().double(), p, atol=1e-6, rtol=0)
+        torch.testing.assert_close(w[...].double(), p, atol=1e-6, rtol=0)
+        if B:
+            torch.testing.assert_close(w[0].double(), p[0], atol=1e-6, rtol=0)
+        assert w.lse.shape == (B, Hq, L)
+        # (sums of up to L weights, from one fused call: float32 relative error)
+        torch.testing.assert_close(w.sum(dim=-2).double(), p.sum(-2), atol=1e-6, rtol=2e-6)
+        torch.testing.assert_close(
+            w.mean(dim=-2).double(), p.sum(-2) / max(L, 1), atol=1e-6, rtol=2e-6
+        )
+        logp = p.log().nan_to_num(0.0, neginf=0.0)
+        # (the entropy is lse - scale * q . PK in float32: a difference of two O(1) terms;
+        # seed 1487052650 gives 1.27e-6 on Ev=0)
+        torch.testing.assert_close(w.entropy().double(), -(p * logp).sum(-1), atol=4e-6, rtol=2e-6)
+        amax = p.amax(-1) if S else torch.zeros(B, Hq, L, dtype=torch.float64)
+        torch.testing.assert_close(w.amax().double(), amax, atol=1e-6, rtol=0)
+        for kk in {0, min(1, S), S}:
+            values, indices = w.topk(kk)
+            assert values.shape == indices.shape == (B, Hq, L, kk)
+            torch.testing.assert_close(
+                values.double(), p.topk(kk, dim=-1).values, atol=1e-6, rtol=0
+            )

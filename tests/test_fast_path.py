@@ -132,6 +132,12 @@ def _same(a: object, b: object) -> bool:
             and a.dtype == b.dtype and a.device == b.device
             and a.requires_grad == b.requires_grad and torch._C._is_alias_of(a, b)
         )  # fmt: skip
+    if isinstance(a, masks.TensorAnd):  # causal=True with a tensor mask: its parts
+        return (
+            type(b) is masks.TensorAnd
+            and _same(a.tensor, b.tensor)
+            and (a.structured is b.structured)
+        )
     return type(a) is type(b) and a == b
 
 

@@ -185,12 +185,6 @@ def _oracle_mods(mods, q):
     return out
 
 
-def _engine_ok(engine, mask):
-    """The small backend takes no structured-mask-free limits here but refuses score
-    mods; every other engine takes everything these tests pass."""
-    return engine != "small" or not isinstance(mask, masks.ScoreMod)
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", list(READS))
 @pytest.mark.parametrize("mask_kind", MASKS)
@@ -204,7 +198,7 @@ def test_every_read_carries_the_listings_gradient(gen, engine, name, mask_kind):
     _check(name, read_w, read_p, q, k, v, mask, mask_ref, gen, engine)
 
 
-@pytest.mark.parametrize("engine", ["fused", "chunked", "reference"])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", ["full", "keys", "sum", "entropy", "amax", "pairs"])
 @pytest.mark.parametrize(
     "mods",

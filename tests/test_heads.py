@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +12,12 @@ import sdpa
 from sdpa.integrations import heads
 
 pytest.importorskip("transformer_lens")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import tl_zoo
 from transformer_lens import head_detector
 from transformer_lens.model_bridge import TransformerBridge
 
 import sdpa.integrations.transformer_lens as sdpa_tl
+import tl_zoo
 
 TEXT = "the cat sat on the mat and the cat sat on the mat again and again and the dog"
 
@@ -127,6 +124,73 @@ def _dense_pattern(kind, tokens):
     return getattr(head_detector, f"get_{kind}_detection_pattern")(tokens[None])
 
 
+def _dense_score(p, D, bos, current, measure, marked_only):
+    """A head's score from its dense pattern p (L, L) and detection pattern D (L, L):
+    TransformerLens' definitions, with the sums over every query (detect_head) or over
+    the queries D marks a key for once the exclusions are made (marked_only)."""
+    L = p.shape[-1]
+    p, kept = p.clone(), torch.ones(L, L, dtype=torch.bool)
+    if bos:
+        kept[:, 0] = False
+    if current:
+        kept.fill_diagonal_(False)
+    p, D = p * kept, D * kept
+    rows = D.sum(-1) > 0 if marked_only else torch.ones(L, dtype=torch.bool)  # after both
+    if measure == "mul":
+        return (p * D)[rows].sum() / p[rows].sum()
+    return 1 - torch.round(((p - D).abs() * kept)[rows].sum() / rows.sum(), decimals=3)
+
+
+@pytest.mark.parametrize("measure", heads.MEASURES)
+@pytest.mark.parametrize(
+    "bos,current", [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_both_normalisations_equal_their_dense_definitions(measure, bos, current):
+    n = 15
+    g = torch.Generator().manual_seed(0)
+    half = torch.randperm(50, generator=g)[:n] + 10  # distinct: the second copy is marked
+    tokens = torch.stack([
+        torch.cat([torch.tensor([1]), half, half]),  # [BOS, x, x]
+        torch.randint(0, 6, (2 * n + 1,), generator=g),  # repeats anywhere
+    ])  # fmt: skip
+    q, k, v = (torch.randn(2, 3, 2 * n + 1, 8, generator=g, dtype=torch.float64) for _ in "qkv")
+    _, w = sdpa.attention(q * 3, k, v, causal=True)  # peaked rows
+    p = w.full()
+    for kind in heads.HEAD_NAMES:
+        for normalize in heads.NORMALIZATIONS:
+            got = heads.score(w, tokens, kind, exclude_bos=bos, exclude_current_token=current,
+                              error_measure=measure, normalize=normalize)  # fmt: skip
+            want = torch.stack([
+                torch.stack([
+                    _dense_score(p[b, h], _dense_pattern(kind, tokens[b]).double(), bos, current,
+                                 measure, normalize == "marked_queries")
+                    for h in range(3)
+                ]) for b in range(2)
+            ])  # fmt: skip
+            torch.testing.assert_close(
+                got, want.float(), atol=1e-5, rtol=0, msg=str((kind, normalize))
+            )
+
+
+def test_the_textbook_induction_score_is_the_mean_over_the_second_copy():
+    """On [BOS, x, x] the induction pairs are the stripe (i, i - n + 1) of the second
+    copy: "marked_queries" is its mean, "detect_head" its sum over all 2n + 1 rows."""
+    n = 12
+    g = torch.Generator().manual_seed(1)
+    half = torch.randperm(40, generator=g)[:n] + 5
+    tokens = torch.cat([torch.tensor([1]), half, half])
+    q, k, v = (torch.randn(1, 2, 2 * n + 1, 8, generator=g) for _ in "qkv")
+    _, w = sdpa.attention(q, k, v, causal=True)
+    stripe = w.full().diagonal(-(n - 1), dim1=-2, dim2=-1)[..., 2:]  # (1, 2, n): i = n+1..2n
+    textbook = heads.score(w, tokens, "induction_head", normalize="marked_queries")
+    torch.testing.assert_close(textbook, stripe.mean(-1), atol=1e-6, rtol=0)
+    default = heads.score(w, tokens, "induction_head")
+    torch.testing.assert_close(default, stripe.sum(-1) / (2 * n + 1), atol=1e-6, rtol=0)
+    distinct = torch.arange(2 * n + 1)  # nothing repeats: no query to average over
+    assert heads.score(w, distinct, "induction_head", normalize="marked_queries").isnan().all()
+    assert (heads.score(w, distinct, "induction_head") == 0).all()
+
+
 def test_refusals():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 10, 8, generator=g) for _ in range(3))
@@ -139,3 +203,5 @@ def test_refusals():
         heads.score(w, torch.arange(9), "induction_head")
     with pytest.raises(sdpa.SdpaValueError, match="error_measure"):
         heads.score(w, torch.arange(10), "induction_head", error_measure="l2")
+    with pytest.raises(sdpa.SdpaValueError, match=r"normalize must be one of .*'textbook'"):
+        heads.score(w, torch.arange(10), "induction_head", normalize="textbook")

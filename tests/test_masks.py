@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import sdpa
+from engines import BACKEND_ENGINES, run, run_or_skip, skip_refused
 from sdpa import masks
 from sdpa.backends import blocks
 
@@ -84,21 +85,26 @@ SIZES = [(1, 1), (97, 130), (130, 97), (300, 300), (600, 600), (5, 700)]
 
 
 @pytest.mark.parametrize("L,S", SIZES)
-@pytest.mark.parametrize("backend", ["fused", "reference"])
-def test_attention_and_weights_equal_the_dense_twin(gen, L, S, backend):
+@pytest.mark.parametrize("engine", BACKEND_ENGINES)
+def test_attention_and_weights_equal_the_dense_twin(gen, L, S, engine):
     B = 2
     q, k, v, _ = make_inputs(gen, B=B, Hq=4, Hkv=2, L=L, S=S, E=40, Ev=24)
-    for mask, twin in mask_cases(L, S, B):
-        out, w = sdpa.attention(q, k, v, mask, backend=backend)
+    cases = mask_cases(L, S, B)
+    for mask, twin in cases:  # the engine runs every case, or the test skips
+        skip_refused(engine, q, k, v, mask)
+        skip_refused(engine, q, k, v, twin)
+    for mask, twin in cases:
+        out, w, reads = run(engine, q, k, v, mask)
         ref_out, ref_p = oracle(q, k, v, twin)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0, msg=repr(mask))
-        torch.testing.assert_close(w[:, :, ::7].double(), ref_p[:, :, ::7], atol=2e-5, rtol=0,
-                                   msg=repr(mask))  # fmt: skip
-        torch.testing.assert_close(w.sum().double(), ref_p.sum(-2), atol=1e-4, rtol=0)
-        plogp = torch.where(ref_p > 0, ref_p * ref_p.log(), torch.zeros_like(ref_p))
-        torch.testing.assert_close(w.entropy().double(), -plogp.sum(-1), atol=1e-4, rtol=0)
+        with reads:
+            torch.testing.assert_close(w[:, :, ::7].double(), ref_p[:, :, ::7], atol=2e-5,
+                                       rtol=0, msg=repr(mask))  # fmt: skip
+            torch.testing.assert_close(w.sum().double(), ref_p.sum(-2), atol=1e-4, rtol=0)
+            plogp = torch.where(ref_p > 0, ref_p * ref_p.log(), torch.zeros_like(ref_p))
+            torch.testing.assert_close(w.entropy().double(), -plogp.sum(-1), atol=1e-4, rtol=0)
         # the same mask as a dense bool tensor gives the same answer
-        torch.testing.assert_close(sdpa.attention(q, k, v, twin, backend=backend).output, out,
+        torch.testing.assert_close(run(engine, q, k, v, twin)[0], out,
                                    atol=1e-5, rtol=0)  # fmt: skip
 
 
@@ -351,12 +357,12 @@ def test_masks_copy_their_ids_so_weights_cannot_go_stale(gen):
         torch.testing.assert_close(w.full(), before)
 
 
-@pytest.mark.parametrize("backend", ["fused", "reference"])
-def test_a_batch_that_sees_nothing_keeps_its_graph(gen, backend):
+@pytest.mark.parametrize("engine", BACKEND_ENGINES)
+def test_a_batch_that_sees_nothing_keeps_its_graph(gen, engine):
     q, k, v, _ = make_inputs(gen, B=1, Hq=1, L=8, S=8, E=4)
     ts = [t.requires_grad_(True) for t in (q, k, v)]
     for mask in (masks.padding([0]), torch.zeros(8, 8, dtype=torch.bool)):
-        out, _ = sdpa.attention(*ts, mask, backend=backend)
+        out, _, _ = run_or_skip(engine, *ts, mask)
         assert out.requires_grad and torch.equal(out, torch.zeros_like(out))
         out.sum().backward()
         assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in ts)

@@ -90,6 +90,47 @@ def test_edit_route_equals_eager_softmax_patch(model, edit):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "chain",
+    [
+        [edits.ScaleHeads({0: 0.5, 3: 2.0}), edits.ZeroPattern(slice(5, None), [0, 1])],
+        [edits.KnockOut([19, 12], [0, 2, 4]), edits.ZeroAblate([2]), edits.ScaleHeads([2.0] * 4)],
+        [edits.ZeroAblate([1])],  # one edit in a list: as the edit alone
+    ],
+    ids=lambda chain: " then ".join(map(repr, chain)),
+)
+def test_composed_edits_equal_eager_with_each_edit_patched_in_order(model, chain):
+    """Several edits on one call: the scores edits on the scores, the softmax, then the
+    pattern edits in order, on eager; on sdpa one edited_output of the list (and of
+    edits.Compose, the same)."""
+    lm, call = traced(model, "eager")
+    with lm.trace(IDS):
+        if any(e.point == "hook_attn_scores" for e in chain):
+            scores = call.source.attn_weights_1
+            s = scores.output
+            for e in chain:
+                s = e.dense(s) if e.point == "hook_attn_scores" else s
+            scores.output = s
+        softmax = call.source.nn_functional_softmax_0
+        p = softmax.output
+        for e in chain:
+            p = e.dense(p) if e.point == "hook_pattern" else p
+        softmax.output = p
+        want = lm.output.logits.save()
+    with lm.trace(IDS):
+        plain = lm.output.logits.save()
+    lm, call = traced(model, sdpa_hf.register())
+    with lm.trace(IDS):
+        call.output = sdpa_nn.edited_output(chain, call.inputs)
+        got = lm.output.logits.save()
+    with lm.trace(IDS):
+        call.output = sdpa_nn.edited_output(edits.Compose(*chain), call.inputs)
+        composed = lm.output.logits.save()
+    assert (want - plain).abs().max() > 1e-4
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(composed, got, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_writing_the_weights_changes_nothing(model, impl):
     lm, call = traced(model, "eager" if impl == "eager" else sdpa_hf.register())
@@ -111,3 +152,11 @@ def test_edited_output_refuses_what_it_does_not_honour(model):
         sdpa_nn.edited_output(edits.ZeroAblate([0]), ((module, q, k, v, None), {"dropout": 0.1}))
     with pytest.raises(sdpa.SdpaTypeError, match="attention-interface"):
         sdpa_nn.call_site(nnsight.NNsight(model).model.embed_tokens)
+    with pytest.raises(
+        sdpa.SdpaTypeError, match=r"Edit or a list of them.*pass its edit, ZeroAblate"
+    ):
+        sdpa_nn.edited_output(edits.ZeroAblate([0]).on_layers(0), ((module, q, k, v, None), {}))
+    with pytest.raises(sdpa.SdpaValueError, match="knock-outs first"):
+        sdpa_nn.edited_output(
+            [edits.ZeroAblate([0]), edits.KnockOut([1], [0])], ((module, q, k, v, None), {})
+        )

@@ -219,12 +219,13 @@ def _calls(device: str, kind: str, dtype, L: int, S: int):
     out, w = sdpa.attention(q, k, v, mask, causal=causal)
     assert out.shape == (B, Hq, L, E) and out.device.type == device
     reads = {
-        # the rows engine, as w[0, 1, :3] runs it (w[...] itself first lays out its batch
-        # ranges through a CPU tensor, a host read that FakeTensorMode refuses too; the
-        # CUDA test below reads w[...] itself)
-        "rows": lambda: rows.dense(
+        "rows": lambda: w[0, 1, : min(L, 3)],  # (batch ranges laid out in plain Python)
+        "rows of the engine": lambda: rows.dense(
             rows.Rows(w._inputs, w._log_sum_exp(), range(1), range(1, 2), slice(0, min(L, 3)))
         ),
+        "lse": lambda: w.lse,
+        "w @ x": lambda: w @ v.new_zeros(B, Hq, S, 3),
+        "u @ w": lambda: v.new_zeros(B, Hq, 2, L) @ w,
         "sum": lambda: w.sum(dim=-2),
         "entropy": w.entropy,
         "amax": w.amax,

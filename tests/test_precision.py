@@ -15,7 +15,6 @@ import random
 import pytest
 import torch
 
-import sdpa
 from engines import BACKEND_ENGINES, refusal, run
 from sdpa import masks
 
@@ -128,7 +127,7 @@ def test_float32_within_twice_the_listings_error(engine, i):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("engine", ["fused", "chunked", "reference"])
+@pytest.mark.parametrize("engine", BACKEND_ENGINES)
 @pytest.mark.parametrize("i", range(0, len(CASES), 3))
 def test_16_bit_within_twice_the_listings_error(dtype, engine, i):
     """Outputs within 2x the listing's error in that dtype; the weights and statistics
@@ -139,13 +138,15 @@ def test_16_bit_within_twice_the_listings_error(dtype, engine, i):
     if why:
         pytest.skip(f"{engine}: {why}")
     sc = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, w = sdpa.attention(q, k, v, arg, scale=scale, backend=engine)
+    out, w, reads = run(engine, q, k, v, arg, scale=scale)
     o64, p64 = oracle(q, k, v, mask, scale=sc, softcap=softcap, sinks=sinks)
     o16, p16 = oracle(q, k, v, mask, scale=sc, softcap=softcap, sinks=sinks, dtype=dtype)
+    with reads:
+        p, entropy = w.full(), w.entropy()
     for name, ours, listing, truth in (
         ("output", out, o16, o64),
-        ("weights", w.full(), p16, p64),
-        ("entropy", w.entropy(), _entropy(p16.float()), _entropy(p64)),
+        ("weights", p, p16, p64),
+        ("entropy", entropy, _entropy(p16.float()), _entropy(p64)),
     ):
         ok, mine, theirs = within_rule(ours, listing, truth, 1e-3 if name == "output" else 1e-4)
         assert ok, f"{case} {name}: {mine:.2e} > 2 x {theirs:.2e}"

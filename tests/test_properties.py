@@ -6,7 +6,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import sdpa
+from engines import BACKEND_ENGINES, refusal, run
 from sdpa import masks
 
 from oracle import oracle
@@ -39,9 +39,14 @@ def test_backends_agree_with_oracle(case):
         "float": torch.randn(L, S, generator=g),
     }[mask_kind]
     ref_out, ref_p = oracle(q, k, v, mask, causal=causal, scale=scale)
-    for backend in ("fused", "reference"):
-        out, w = sdpa.attention(q, k, v, mask, causal=causal, scale=scale, backend=backend)
-        p = w.full()
+    ran = []
+    for engine in BACKEND_ENGINES:
+        if refusal(engine, q, k, v, mask, causal=causal, scale=scale):
+            continue
+        ran.append(engine)
+        out, w, reads = run(engine, q, k, v, mask, causal=causal, scale=scale)
+        with reads:
+            p = w.full()
         torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
         torch.testing.assert_close(p.double(), ref_p, atol=2e-5, rtol=0)
         # output is the weights times value; each row sums to 1, or 0 if it sees no key
@@ -49,6 +54,7 @@ def test_backends_agree_with_oracle(case):
         torch.testing.assert_close(out, p @ vv, atol=2e-5, rtol=0)
         sums = p.sum(-1)
         assert torch.all(((sums - 1).abs() < 1e-5) | (sums == 0))
+    assert len(ran) >= 2, f"only {ran} took these inputs: nothing to agree with"
 
 
 # Sizes on and beside the engine's block edges (BLOCK_Q = 256 queries, BLOCK_K = 64 keys),
@@ -126,16 +132,24 @@ def packed(*sizes):
 # documents cut on query- and key-block edges, L != S
 @example((513, 320, masks.documents(packed(256, 257), packed(64, 256)) & masks.causal(), 4))
 def test_any_mask_tree_equals_its_materialised_twin(case):
-    """Block skipping, the reference backend and the weights agree with the float64
-    oracle given the dense twin, for L != S and sizes on block edges."""
+    """Every backend that takes the mask (the fused one by block skipping) and the
+    weights agree with the float64 oracle given the dense twin, for L != S and sizes on
+    block edges."""
     L, S, mask, seed = case
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 2, L, 8, generator=g)
     k, v = (torch.randn(2, 2, S, 8, generator=g) for _ in range(2))
     twin = mask.materialize(L, S)
     ref_out, ref_p = oracle(q, k, v, twin)
-    for backend in ("fused", "reference"):
-        out, w = sdpa.attention(q, k, v, mask, backend=backend)
+    ran = []
+    for engine in BACKEND_ENGINES:
+        if refusal(engine, q, k, v, mask):
+            continue
+        ran.append(engine)
+        out, w, reads = run(engine, q, k, v, mask)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0, msg=repr(mask))
-        torch.testing.assert_close(w[:, :, ::37].double(), ref_p[:, :, ::37], atol=2e-5, rtol=0,
+        with reads:
+            rows = w[:, :, ::37]
+        torch.testing.assert_close(rows.double(), ref_p[:, :, ::37], atol=2e-5, rtol=0,
                                    msg=repr(mask))  # fmt: skip
+    assert len(ran) >= 2, f"only {ran} took {mask!r}: nothing to agree with"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sdpa
+from engines import BACKEND_ENGINES, run, run_or_skip
 
 from oracle import oracle
 
@@ -39,7 +40,10 @@ def entropy(p):
     return -(p * torch.log(p)).nan_to_num(nan=0.0).sum(-1)
 
 
-def run_case(backend, mask_kind, softcap, sinks_kind, L, S, *, B=2, H=4, Hkv=2, E=16):
+def run_case(engine, mask_kind, softcap, sinks_kind, L, S, *, B=2, H=4, Hkv=2, E=16,
+             skip_refused=False):  # fmt: skip
+    """The case on `engine`, against the oracle; where the engine refuses it, an error
+    (or a skip naming the engine's reason, with skip_refused: a test over every engine)."""
     q = torch.randn(B, H, L, E, requires_grad=True)
     k = torch.randn(B, Hkv, S, E, requires_grad=True)
     v = torch.randn(B, Hkv, S, E + 3, requires_grad=True)
@@ -54,21 +58,24 @@ def run_case(backend, mask_kind, softcap, sinks_kind, L, S, *, B=2, H=4, Hkv=2, 
         arg = sdpa.masks.softcap(softcap, arg)
     if z is not None:
         arg = sdpa.masks.sinks(z, arg)
-    out, w = sdpa.attention(q, k, v, arg, scale=0.37, backend=backend)
+    out, w, reads = (run_or_skip if skip_refused else run)(engine, q, k, v, arg, scale=0.37)
     ref_out, ref_p = oracle(
         q, k, v, dense_mask, scale=0.37, softcap=softcap, sinks=None if z is None else z[..., 0]
     )
     tol = dict(atol=2e-5, rtol=0)
     torch.testing.assert_close(out.double(), ref_out, **tol)
-    torch.testing.assert_close(w.full().double(), ref_p, **tol)
-    torch.testing.assert_close(w[B - 1, H - 1, L // 2].double(), ref_p[B - 1, H - 1, L // 2], **tol)
-    torch.testing.assert_close(w[:, 1:3, 1:].double(), ref_p[:, 1:3, 1:], **tol)
-    k_top = min(3, S)
-    torch.testing.assert_close(w.sum(dim=-2).double(), ref_p.sum(-2), atol=1e-4, rtol=0)
-    torch.testing.assert_close(w.mean(dim=-2).double(), ref_p.mean(-2), **tol)
-    torch.testing.assert_close(w.entropy().double(), entropy(ref_p), atol=1e-4, rtol=0)
-    torch.testing.assert_close(w.amax().double(), ref_p.amax(-1), **tol)
-    values, indices = w.topk(k_top)
+    with reads:
+        p, row, block = w.full(), w[B - 1, H - 1, L // 2], w[:, 1:3, 1:]
+        sums, means, ent, amax = w.sum(dim=-2), w.mean(dim=-2), w.entropy(), w.amax()
+        k_top = min(3, S)
+        values, indices = w.topk(k_top)
+    torch.testing.assert_close(p.double(), ref_p, **tol)
+    torch.testing.assert_close(row.double(), ref_p[B - 1, H - 1, L // 2], **tol)
+    torch.testing.assert_close(block.double(), ref_p[:, 1:3, 1:], **tol)
+    torch.testing.assert_close(sums.double(), ref_p.sum(-2), atol=1e-4, rtol=0)
+    torch.testing.assert_close(means.double(), ref_p.mean(-2), **tol)
+    torch.testing.assert_close(ent.double(), entropy(ref_p), atol=1e-4, rtol=0)
+    torch.testing.assert_close(amax.double(), ref_p.amax(-1), **tol)
     torch.testing.assert_close(values.double(), ref_p.topk(k_top, dim=-1).values, **tol)
     picked = ref_p.gather(-1, indices)
     torch.testing.assert_close(picked, ref_p.topk(k_top, dim=-1).values, **tol)
@@ -82,18 +89,18 @@ def run_case(backend, mask_kind, softcap, sinks_kind, L, S, *, B=2, H=4, Hkv=2, 
 
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("sinks_kind", ["head", "row"])
-@pytest.mark.parametrize("backend", ["auto", "fused", "chunked", "reference"])
-def test_sinks_match_the_oracle(backend, mask_kind, sinks_kind):
-    torch.manual_seed(hash((backend, mask_kind, sinks_kind)) % 2**31)
-    run_case(backend, mask_kind, None, sinks_kind, L=37, S=53)
+@pytest.mark.parametrize("engine", ["auto", *BACKEND_ENGINES])
+def test_sinks_match_the_oracle(engine, mask_kind, sinks_kind):
+    torch.manual_seed(hash((engine, mask_kind, sinks_kind)) % 2**31)
+    run_case(engine, mask_kind, None, sinks_kind, L=37, S=53, skip_refused=True)
 
 
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("sinks_kind", [None, "head"])
-@pytest.mark.parametrize("backend", ["auto", "chunked", "reference"])
-def test_softcap_matches_the_oracle(backend, mask_kind, sinks_kind):
-    torch.manual_seed(hash((backend, mask_kind, sinks_kind, "cap")) % 2**31)
-    run_case(backend, mask_kind, 2.5, sinks_kind, L=37, S=53)
+@pytest.mark.parametrize("engine", ["auto", *BACKEND_ENGINES])
+def test_softcap_matches_the_oracle(engine, mask_kind, sinks_kind):
+    torch.manual_seed(hash((engine, mask_kind, sinks_kind, "cap")) % 2**31)
+    run_case(engine, mask_kind, 2.5, sinks_kind, L=37, S=53, skip_refused=True)
 
 
 @pytest.mark.parametrize("L, S", [(1, 1), (1, 300), (256, 256), (257, 300), (300, 257)])
@@ -195,15 +202,16 @@ def test_sinks_of_the_wrong_shape_are_refused_by_shape():
         sdpa.attention(q, k, v, sdpa.masks.sinks(torch.randn(3, 1, 1)))
 
 
-@pytest.mark.parametrize("backend", ["fused", "chunked"])
-def test_sinks_with_scores_in_the_hundreds(backend):
+@pytest.mark.parametrize("engine", BACKEND_ENGINES)
+def test_sinks_with_scores_in_the_hundreds(engine):
     """|lse| > 32: the weights recompute such rows by a log-softmax that must hold the
     sink's column too."""
     torch.manual_seed(3)
     q, k, v = torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
     z = torch.tensor([150.0, -3.0]).reshape(2, 1, 1)
-    out, w = sdpa.attention(q, k, v, sdpa.masks.sinks(z), scale=10.0, backend=backend)
+    out, w, reads = run_or_skip(engine, q, k, v, sdpa.masks.sinks(z), scale=10.0)
     ref_out, ref_p = oracle(q, k, v, scale=10.0, sinks=z[..., 0])
-    assert w.lse.abs().max() > 32
-    torch.testing.assert_close(w.full().double(), ref_p, atol=2e-5, rtol=0)
+    with reads:
+        assert w.lse.abs().max() > 32
+        torch.testing.assert_close(w.full().double(), ref_p, atol=2e-5, rtol=0)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-4, rtol=0)

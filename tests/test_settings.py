@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import sdpa
+from engines import BACKEND_ENGINES, run_or_skip
 from sdpa import masks, settings
 from sdpa.backends import aten, select, select_fast
 from sdpa.inputs import compute_dtype, fast_normalize, normalize
@@ -126,10 +127,10 @@ def test_override_is_per_thread():
 
 def test_override_is_per_asyncio_task():
     async def task(value, started, release):
-        with settings.override(math_chunk_bytes=value):
+        with settings.override(mask_chunk_bytes=value):
             started.set()
             await release.wait()
-            return settings.get().math_chunk_bytes
+            return settings.get().mask_chunk_bytes
 
     async def main():
         events = [asyncio.Event() for _ in range(2)]
@@ -138,12 +139,12 @@ def test_override_is_per_asyncio_task():
             asyncio.create_task(task(v, e, release)) for v, e in zip((7, 8), events, strict=True)
         ]
         await asyncio.gather(*(e.wait() for e in events))  # both overrides open
-        outside = settings.get().math_chunk_bytes
+        outside = settings.get().mask_chunk_bytes
         release.set()
         return await asyncio.gather(*tasks), outside
 
     values, outside = asyncio.run(main())
-    assert values == [7, 8] and outside == settings.Settings().math_chunk_bytes
+    assert values == [7, 8] and outside == settings.Settings().mask_chunk_bytes
 
 
 def test_chunked_engine_is_an_override_of_the_kernel_devices():
@@ -206,9 +207,9 @@ def test_visible_is_the_causal_rule_of_every_alignment(L, S):
     assert torch.equal(masks.causal("top-left").materialize(2, 5), drawn.tril())
 
 
-@pytest.mark.parametrize("backend", ["small", "fused", "chunked", "reference"])
+@pytest.mark.parametrize("engine", BACKEND_ENGINES)
 @pytest.mark.parametrize("L, S", [(7, 7), (5, 9)])
-def test_every_backend_and_the_weights_engine_agree_on_causality(gen, backend, L, S):
+def test_every_backend_and_the_weights_engine_agree_on_causality(gen, engine, L, S):
     """The causal flag (top-left) and the bottom-right causal mask, through each
     backend and the weights engine's rows, against the float64 oracle."""
     q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=L, S=S)
@@ -216,10 +217,11 @@ def test_every_backend_and_the_weights_engine_agree_on_causality(gen, backend, L
     for mask, causal in cases:
         dense = torch.ones(L, S, dtype=torch.bool).tril(S - L)  # independent of visible
         ref_out, ref_p = oracle(q, k, v, dense)
-        with settings.override(small_weights=2**21, small_head=2**16, small_causal=2**14):
-            out, w = sdpa.attention(q, k, v, mask, causal=causal, backend=backend)
+        out, w, reads = run_or_skip(engine, q, k, v, mask, causal=causal)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
-        torch.testing.assert_close(w[0, :, 2:4].double(), ref_p[0, :, 2:4], atol=2e-5, rtol=0)
+        with reads:
+            rows = w[0, :, 2:4]
+        torch.testing.assert_close(rows.double(), ref_p[0, :, 2:4], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 import sdpa.integrations.transformers as sdpa_hf  # noqa: E402
 
-SMALL = pytest.param("small", marks=pytest.mark.small_shapes)  # the engines users get
-ENGINES = [SMALL, "fused"]  # "fused": the suite's default here (small backend off)
+# the engines users get, chosen by auto: with the small backend at its real thresholds
+# (small_shapes), and without it (the suite's default: the fused kernel here)
+SMALL_BACKEND = [pytest.param("small-on", marks=pytest.mark.small_shapes), "small-off"]
 TINY = 1e-30
 
 
@@ -83,9 +84,9 @@ def assert_grads_equal(ours, eager, rel=1e-4):
 WQ = "encoder.layer.1.attention.self.query.weight"  # the last layer's W_q
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("small_backend", SMALL_BACKEND)
 @pytest.mark.parametrize("L", [24, 200])
-def test_output_attentions_carry_eagers_gradients_in_train_mode(name, engine, L):
+def test_output_attentions_carry_eagers_gradients_in_train_mode(name, small_backend, L):
     """The issue's case: an attention-entropy term on output_attentions. Under eager it
     gives the last layer's W_q its gradient; ours must give the same (it was 0 when the
     attentions came back detached). L = 200: the fused kernel and the rows engine even
@@ -101,8 +102,8 @@ def test_output_attentions_carry_eagers_gradients_in_train_mode(name, engine, L)
     assert_grads_equal(grads[name], grads["eager"])
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_captured_entropy_carries_eagers_gradient(name, engine):
+@pytest.mark.parametrize("small_backend", SMALL_BACKEND)
+def test_captured_entropy_carries_eagers_gradient(name, small_backend):
     """capture(stats="entropy") in training: the per-layer entropies are a loss term
     whose gradient is eager's entropy term's (dense attentions), in every layer."""
     x = batch(40)
@@ -119,9 +120,9 @@ def test_captured_entropy_carries_eagers_gradient(name, engine):
     assert_grads_equal(ours, grads_of(eager))
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("small_backend", SMALL_BACKEND)
 @pytest.mark.parametrize("reverse", [False, True])
-def test_kl_on_kept_handles_is_eagers_distillation_loss(name, engine, reverse):
+def test_kl_on_kept_handles_is_eagers_distillation_loss(name, small_backend, reverse):
     """The distillation API: a teacher's capture under no_grad, the student's kept
     handles, student.weights[-1].kl(teacher.weights[-1], head_map=...). The teacher has
     3 layers and 8 heads; student head h meets teacher head 2h. Eager: the same KL of the

@@ -2,27 +2,24 @@
 
 Tiny random models (float32), booted offline (a saved local folder, or hf_model=) with
 MiniLM's tokenizer. Hooks, caches, gradients, padding and generation are compared to
-the same calls on eager at 1e-5; the whole zoo runs in scripts/tl_zoo.py, a named
+the same calls on eager at 1e-5; the whole zoo runs in tests/tl_zoo.py, a named
 subset of families here.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformer_lens")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import tl_zoo
 from transformer_lens.model_bridge import TransformerBridge
 
 import sdpa
+import tl_zoo
 from sdpa.integrations import deferred
 from sdpa.integrations import transformer_lens as sdpa_tl
 
@@ -422,3 +419,70 @@ def test_unfused_names_attention_that_ran_eagerly(pair, monkeypatch):
     assert sorted(sdpa_tl.unfused(ours)) == ["blocks.0.attn", "blocks.1.attn"]
     with pytest.raises(sdpa.SdpaValueError, match="not on sdpa"):
         sdpa_tl.unfused(torch.nn.Linear(2, 2))
+
+
+# ---- issue 33 item 3: in-place ops in a bridge's own attention code ----
+
+
+def _add_(scores, bias):  # eager code that masks through a helper, in place
+    scores += bias
+
+
+def _sub_(scores, bias):  # an in-place op sdpa does not model
+    scores -= bias
+
+
+def _patch_mask(monkeypatch, bridge, helper, bias):
+    """The bridge's attention code, with helper(scores, bias) applied in place after its
+    causal mask (the class is patched: eager and sdpa bridges run the same code)."""
+    cls = type(bridge.blocks[0].attn)
+    original = cls._apply_reconstruct_attention_mask
+
+    def masked(self, *args, **kwargs):
+        scores = original(self, *args, **kwargs)
+        helper(scores, bias)
+        return scores
+
+    monkeypatch.setattr(cls, "_apply_reconstruct_attention_mask", masked)
+
+
+def test_in_place_mask_in_bridge_code_runs_fused(pair, monkeypatch):
+    """scores += bias in a helper, inside the bridge's forward: eager's logits, and the
+    attention still runs fused."""
+    eager, ours = pair
+    ids = tokens(B=1, L=48)
+    bias = torch.randn(1, 1, 48, 48, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = eager(ids)
+    _patch_mask(monkeypatch, eager, _add_, bias)
+    fused = deferred.FUSED[0]
+    with torch.no_grad():
+        want, got = eager(ids), ours(ids)
+    assert (want - plain).abs().max() > 1e-2  # the bias matters
+    close(got, want)
+    assert sdpa_tl.unfused(ours) == {} and deferred.FUSED[0] - fused == 2
+
+
+def test_in_place_refusal_names_the_bridge_and_line(llama_path, tok, pair, monkeypatch):
+    """An in-place op sdpa does not model, past max_dense_bytes: refused naming the
+    attention bridge and the line of its code, and unfused(bridge) names it; within the
+    budget the bridge runs it densely, with eager's logits."""
+    eager, ours = pair
+    small = boot(llama_path, tok, True, max_dense_bytes=4096)
+    ids = tokens(B=1, L=48)
+    bias = torch.randn(1, 1, 48, 48, generator=torch.Generator().manual_seed(6))
+    _patch_mask(monkeypatch, eager, _sub_, bias)
+    line = _sub_.__code__.co_firstlineno + 1
+    with torch.no_grad(), pytest.raises(sdpa.WeightsTooLargeError) as err:
+        small(ids)
+    message = str(err.value)
+    assert f"test_transformer_lens.py:{line}" in message and "sub_" in message
+    assert type(small.blocks[0].attn).__name__ in message
+    assert "cannot run on" in message and "unfused(bridge)" in message
+    assert "hook" not in message
+    assert list(sdpa_tl.unfused(small)) == ["blocks.0.attn"]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want, got = eager(ids), ours(ids)
+    close(got, want)
+    assert sorted(sdpa_tl.unfused(ours)) == ["blocks.0.attn", "blocks.1.attn"]

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import sdpa
+from engines import BACKEND_ENGINES, run_or_skip
 from sdpa import masks
 
 from conftest import make_inputs
@@ -23,16 +24,18 @@ def test_shape_dtype_repr(gen):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend", ["fused", "reference"])
-def test_lse_is_the_log_sum_exp_of_the_scores(gen, backend, causal):
+@pytest.mark.parametrize("engine", BACKEND_ENGINES)
+def test_lse_is_the_log_sum_exp_of_the_scores(gen, engine, causal):
     L, S = (17, 17) if causal else (13, 17)  # causal=True needs L == S
     q, k, v, mask = make_inputs(gen, L=L, S=S, mask_kind="float")
-    w = sdpa.attention(q, k, v, mask, causal=causal, backend=backend).weights
+    _, w, reads = run_or_skip(engine, q, k, v, mask, causal=causal)
+    with reads:
+        lse, p = w.lse, w.full()
     scores = q.double() @ k.double().mT / 4 + mask.double()
     if causal:  # query i sees keys j <= i
         scores = scores.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), -torch.inf)
-    torch.testing.assert_close(w.lse.double(), scores.logsumexp(-1), atol=1e-5, rtol=0)
-    torch.testing.assert_close(w.full().double(), oracle(q, k, v, mask, causal=causal)[1],
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(p.double(), oracle(q, k, v, mask, causal=causal)[1],
                                atol=2e-5, rtol=0)  # fmt: skip
 
 

@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa.backends import PRIORITY, Backend, select, select_fast
+from sdpa import masks
+from sdpa.backends import PRIORITY, Backend, run, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
@@ -64,11 +65,12 @@ def _frozen_here() -> bool:
 
 def _freeze(inputs: Inputs) -> Inputs:
     """The inputs with q, k, a float mask and the sinks detached."""
-    mask, sinks = inputs.mask, inputs.sinks
+    tensor, structured = masks.split(inputs.mask)
+    sinks = inputs.sinks
     return inputs._replace(
         query=inputs.query.detach(),
         key=inputs.key.detach(),
-        mask=mask.detach() if isinstance(mask, torch.Tensor) else mask,
+        mask=masks.join(None if tensor is None else tensor.detach(), structured),
         sinks=None if sinks is None else sinks.detach(),
     )
 
@@ -80,13 +82,23 @@ def _wanted_grad(query: object, key: object, mask: object) -> bool:
 
 
 def _compute(
-    query, key, value, mask, causal, scale, dropout_p, backend: str, **torch_rules
+    query,
+    key,
+    value,
+    mask,
+    causal,
+    scale,
+    dropout_p,
+    backend: str,
+    lane: bool = True,
+    **torch_rules,
 ) -> tuple[Inputs, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Backend]:
     """(inputs, output (*lead, L, Ev), lse (B, Hq, L) or None, the weights (B, Hq, L, S)
     where the backend computed them, else None, the backend that ran). The common calls
     are recognised in O(1) from types and shapes (fast_normalize: 4-D, autocast off,
-    nothing to reshape); the rest are validated in full."""
-    if backend == "auto" and not _frozen_blocks:
+    nothing to reshape); the rest are validated in full. lane=False: the caller's own
+    fast lane missed already."""
+    if lane and backend == "auto" and not _frozen_blocks:
         inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p,
                                 torch_rules.get("gqa", True))  # fmt: skip
         if inputs is not None:
@@ -99,7 +111,7 @@ def _compute(
         inputs = _freeze(inputs)
     impl = select(inputs, backend)
     with no_autocast(inputs.query.device.type):  # inputs already carry autocast's dtype
-        out, lse, p = impl.run(inputs)
+        out, lse, p = run(impl, inputs)
     if len(inputs.lead) != 2:  # (B, Hq, L, Ev) -> (*lead, L, Ev)
         out = out.reshape(*inputs.lead, *out.shape[-2:])
     return inputs, out, lse, p, impl
@@ -147,7 +159,9 @@ def attention(
             impl = select_fast(inputs)
             out, lse, p = impl.run(inputs)
             return _result(AttentionResult, (out, AttentionWeights(inputs, lse, p, impl)))
-    inputs, out, lse, p, impl = _compute(query, key, value, mask, causal, scale, dropout_p, backend)
+    inputs, out, lse, p, impl = _compute(
+        query, key, value, mask, causal, scale, dropout_p, backend, lane=False
+    )  # (the lane above missed, or is not for these calls: not again)
     frozen_call = bool(_frozen_blocks) and _frozen_here() and _wanted_grad(query, key, mask)
     return AttentionResult(out, AttentionWeights(inputs, lse, p, impl, frozen=frozen_call))
 

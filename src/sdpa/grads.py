@@ -47,9 +47,7 @@ def softmax_rule(
     logp: whether pg_of reads the tile's logp."""
 
     def rule(t: rows.TileRows, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pg = pg_of(t, g)  # (1, h, r, S)
-        d = pg.sum(dim=-1, keepdim=True)  # (1, h, r, 1)
-        ds = pg.sub_(t.p.mul_(d))
+        ds, d = tile.softmax_grad(t.p, pg_of(t, g), inplace=True)  # (1, h, r, S), (1, h, r, 1)
         return ds, None if t.p_sink is None else -t.p_sink * d[..., 0]
 
     return Rule(rule, logp)
@@ -75,7 +73,7 @@ def backward(
     cd = inputs.compute_dtype
     dq = torch.zeros(q_all.shape, dtype=cd, device=q_all.device) if needs.q else None
     dk = torch.zeros(k_all.shape, dtype=cd, device=k_all.device) if needs.k else None
-    mask = inputs.mask
+    mask = inputs.tensor_mask
     dmask = torch.zeros(mask.shape, dtype=cd, device=mask.device) if needs.mask else None
     sinks = inputs.sinks
     dsinks = torch.zeros(sinks.shape, dtype=cd, device=sinks.device) if needs.sinks else None
@@ -147,18 +145,18 @@ def needs(inputs: Inputs) -> Needs | None:
     (grad mode off, or none requires grad): decided in O(1)."""
     if not torch.is_grad_enabled():
         return None
-    mask, sinks = inputs.mask, inputs.sinks
+    mask, sinks = inputs.tensor_mask, inputs.sinks
     if not (
         inputs.query.requires_grad
         or inputs.key.requires_grad
-        or (isinstance(mask, torch.Tensor) and mask.requires_grad)
+        or (mask is not None and mask.requires_grad)
         or (sinks is not None and sinks.requires_grad)
     ):
         return None
     n = Needs(
         inputs.query.requires_grad,
         inputs.key.requires_grad,
-        isinstance(mask, torch.Tensor) and mask.requires_grad,
+        mask is not None and mask.requires_grad,
         inputs.sinks is not None and inputs.sinks.requires_grad,
     )
     return n if any(n) else None
@@ -179,13 +177,45 @@ class Side(NamedTuple):
 Extra = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
+class Versions(NamedTuple):
+    """The version counters of the tensors a backward recomputes from, taken at the read,
+    and torch's check of them at the backward: a change made in place in between raises
+    torch's own error ("modified by an inplace operation"), as the listing's autograd
+    does, at no copy. Kept apart from save_for_backward: saved-tensor hooks
+    (checkpointing counts them, offloading moves them) see only what the autograd graph
+    itself saves, and a read made once inside a checkpointed forward (a capture's
+    statistic) is not made again in its recomputation."""
+
+    tensors: tuple[torch.Tensor, ...]
+    numbers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor | None]) -> Versions:
+        kept = tuple(t for t in tensors if isinstance(t, torch.Tensor) and not t.is_inference())
+        return cls(kept, tuple(t._version for t in kept))
+
+    def check(self) -> None:
+        for t, n in zip(self.tensors, self.numbers, strict=True):
+            if t._version != n:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                    f"{t._version}; expected version {n} instead. (sdpa: a read of "
+                    f"AttentionWeights recomputes its gradient from q, k, the mask and the "
+                    f"sinks: call backward() before changing them in place)"
+                )
+
+
 class _Read(torch.autograd.Function):
     """value() without autograd; backward: each side's tile-by-tile backward with its
-    rule, then each extra tensor's gradient."""
+    rule, then each extra tensor's gradient, after the check that every tensor it
+    recomputes from (each side's q, k, mask and sinks, the watched ones) is as it was at
+    the read (Versions)."""
 
     @staticmethod
-    def forward(ctx, value, sides, extras, *tensors):
-        ctx.sides, ctx.extras = sides, extras
+    def forward(ctx, value, sides, extras, watched, *tensors):
+        ctx.sides, ctx.extras, ctx.watched = sides, extras, watched
+        ctx.versions = Versions.of(list(tensors))
         ctx.tuning = settings.get()  # autograd's threads do not see the caller's context
         return value()
 
@@ -197,27 +227,56 @@ class _Read(torch.autograd.Function):
                 "the reads' gradients are first order only; differentiate the listing's "
                 "math (sdpa.listing.attention) for higher orders"
             )
-        out: list[torch.Tensor | None] = [None, None, None]
+        ctx.versions.check()
+        out: list[torch.Tensor | None] = [None, None, None, None]
         with settings.using(ctx.tuning):
             for side in ctx.sides:
-                out += backward(side.selection, side.rule, side.needs, g)
+                dq, dk, dmask, dsinks = backward(side.selection, side.rule, side.needs, g)
+                out += [dq, dk, dmask, dsinks]
             out += [grad_of(g) for _, grad_of in ctx.extras]
-        return tuple(out)
+        return (*out, *(None,) * ctx.watched)
 
 
-def _tensors(side: Side) -> list[torch.Tensor | None]:
-    i = side.selection.inputs
-    mask = i.mask if isinstance(i.mask, torch.Tensor) and side.needs.mask else None
-    return [i.query, i.key, mask, i.sinks if side.needs.sinks else None]
+class _Watch(torch.autograd.Function):
+    """x unchanged; its backward passes the gradient through after the check that the
+    watched tensors were not changed in place since the forward (Versions)."""
+
+    @staticmethod
+    def forward(ctx, x, *tensors):
+        ctx.versions, ctx.n = Versions.of(list(tensors)), len(tensors)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.versions.check()
+        return (g, *(None,) * ctx.n)
+
+
+def watch(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    """x, whose backward raises torch's "modified by an inplace operation" if any of
+    `tensors` changed in place after this call (those autograd does not save itself)."""
+    return _Watch.apply(x, *tensors)
+
+
+def watched(inputs: Inputs) -> list[torch.Tensor | None]:
+    """The tensors a read's backward recomputes from: q, k, a tensor mask, the sinks."""
+    return [inputs.query, inputs.key, inputs.tensor_mask, inputs.sinks]
 
 
 def read_sides(
-    value: Callable[[], torch.Tensor], sides: list[Side], extras: list[Extra] = ()
+    value: Callable[[], torch.Tensor],
+    sides: list[Side],
+    extras: list[Extra] = (),
+    watch: list[torch.Tensor | None] = (),
 ) -> torch.Tensor:
     """A read's value (computed without autograd), carrying its gradient to each side's
-    q, k, float mask and sinks, and to the extra tensors."""
-    tensors = [t for side in sides for t in _tensors(side)] + [t for t, _ in extras]
-    return _Read.apply(value, tuple(sides), tuple(extras), *tensors)
+    q, k, float mask and sinks, and to the extra tensors. watch: tensors the backward
+    reads without differentiating them (a KL teacher's q and k, a dense target),
+    checked for in-place changes as the sides' are."""
+    tensors = [t for side in sides for t in watched(side.selection.inputs)]
+    tensors += [t for t, _ in extras]
+    watch = list(watch)
+    return _Read.apply(value, tuple(sides), tuple(extras), len(watch), *tensors, *watch)
 
 
 class Spec(NamedTuple):

@@ -69,9 +69,9 @@ class Inputs(NamedTuple):
     query: torch.Tensor  # (B, Hq, L, E)
     key: torch.Tensor  # (B, Hkv, S, E)
     value: torch.Tensor  # (B, Hkv, S, Ev)
-    mask: torch.Tensor | masks.Mask | None  # bool (True = takes part) or float (added),
-    # broadcasting to (B, Hq, L, S); or a structured mask (batch dim B, if any)
-    causal: bool  # top-left: query i sees keys j <= i (identical to bottom-right if L == S)
+    mask: torch.Tensor | masks.Mask | masks.TensorAnd | None  # bool (True = takes part)
+    # or float (added), broadcasting to (B, Hq, L, S); a structured mask (batch dim B, if
+    # any); or both ANDed (masks.split reads them). causal=True is masks.TOP_LEFT in it.
     scale: float
     dropout_p: float
     lead: tuple[int, ...]  # user-facing dims in front of (L, S)
@@ -96,14 +96,26 @@ class Inputs(NamedTuple):
 
     @property
     def causal_only(self) -> bool:
-        """Whether the only masking is top-left causality (the causal flag, or a
-        structured mask that is exactly the top-left causal one): the kernels' own
-        causal path, decided without a scan."""
+        """Whether the only masking is top-left causality (causal=True, or a structured
+        mask that is exactly the top-left causal one): the kernels' own causal path,
+        decided without a scan."""
         mask = self.mask
-        if mask is None:
-            return self.causal
-        L, S = self.query.shape[2], self.key.shape[2]
-        return isinstance(mask, masks.Mask) and mask.is_top_left_causal(L, S)
+        if mask is masks.TOP_LEFT:
+            return True
+        return isinstance(mask, masks.Mask) and mask.is_top_left_causal(
+            self.query.shape[2], self.key.shape[2]
+        )
+
+    @property
+    def tensor_mask(self) -> torch.Tensor | None:
+        """The mask's tensor part (bool keep-mask or float bias), or None."""
+        mask = self.mask
+        return mask if mask.__class__ is torch.Tensor else masks.split(mask)[0]
+
+    @property
+    def structured(self) -> masks.Mask | None:
+        """The mask's structured part (causality, windows, padding, documents), or None."""
+        return masks.split(self.mask)[1]
 
     @property
     def no_work(self) -> bool:
@@ -146,6 +158,12 @@ def normalize(
     scale = _check_scale(scale, shape.E, torch_semantics)
     dropout_p = _check_dropout(dropout_p, torch_semantics)
     return _lay_out(query, key, value, mask, mods, causal, scale, dropout_p, shape)
+
+
+def folded(mask: torch.Tensor | masks.Mask | None, causal: bool):
+    """The call's mask with causal=True folded in (masks.and_top_left): the one place
+    the flag becomes a mask."""
+    return masks.and_top_left(mask) if causal else mask
 
 
 # -- 1. types: plain tensors, a mask sdpa can read, bool flags ---------------------------
@@ -217,6 +235,11 @@ def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
     the same alignment; other tensor subclasses with their own meaning are refused."""
     if mask is None or isinstance(mask, masks.Mask):
         return mask
+    if mask.__class__ is masks.TensorAnd:  # a tensor AND a structured mask
+        tensor = _check_mask_type(mask.tensor)
+        if isinstance(tensor, masks.Mask):  # torch's causal bias objects
+            return tensor & mask.structured
+        return masks.join(tensor, mask.structured)
     if not isinstance(mask, torch.Tensor):
         raise SdpaTypeError(
             f"mask must be None, a torch.Tensor (bool/int: nonzero takes part; float: added "
@@ -224,7 +247,7 @@ def _check_mask_type(mask: object) -> torch.Tensor | masks.Mask | None:
         )
     if is_causal_bias(mask):
         top_left = mask.variant.name == "UPPER_LEFT"  # else LOWER_RIGHT
-        return masks.causal("top-left" if top_left else "bottom-right")
+        return masks.TOP_LEFT if top_left else masks.causal("bottom-right")
     _check_readable(
         "mask",
         mask,
@@ -375,12 +398,18 @@ def _layout(
     hq, hk, hv = [s[-3] if len(s) >= 3 else 1 for s in (qs, ks, vs)]
     if known(hq == hk) and known(hk == hv):  # the common case: one number of heads
         return batch, hq, hq, True
-    if known(hk != hv) and not (known(hk == 1) or known(hv == 1)):
-        raise SdpaValueError(
-            f"key and value must have the same number of heads (dim -3), got key "
-            f"{ks} ({hk} heads) and value {vs} ({hv} heads)"
-        )
-    hkv = hv if known(hk == 1) else hk
+    if known(hk == hv) or known(hk == 1) or known(hv == 1):
+        hkv = hv if known(hk == 1) else hk
+    else:  # key and value heads each dividing the query heads, as torch's enable_gqa takes
+        for name, h, shape in (("key", hk, ks), ("value", hv, vs)):
+            if empty(h) or known(hq % h != 0):
+                raise SdpaValueError(
+                    f"key and value have different numbers of heads (key {ks}: {hk}, "
+                    f"value {vs}: {hv}), so each must divide the query heads, got {hq} "
+                    f"query heads (query {qs}) and {h} {name} heads ({name} {shape})"
+                )
+        hkv = math.lcm(hk, hv)  # both repeated to it: query head h still uses key head
+        # h // (Hq // hk) and value head h // (Hq // hv)
     if known(hq == 1):
         hq = hkv  # one query head broadcast over every key/value head
     if (empty(hkv) and not empty(hq)) or (not empty(hkv) and known(hq % hkv != 0)):
@@ -431,12 +460,12 @@ def _check_mask(
 ) -> torch.Tensor | masks.Mask | None:
     """A structured mask that fits (L, S) and the batch; a tensor mask as bool or
     float in the softmax precision, broadcasting to the weights' shape."""
-    if isinstance(mask, masks.Mask):
-        check_structured(mask, shape.batch, shape.L, shape.S)
-        return mask
-    if mask is None:
-        return None
-    return _normalize_mask(mask, query, shape.lead, shape.L, shape.S)
+    tensor, structured = masks.split(mask)
+    if structured is not None:
+        check_structured(structured, shape.batch, shape.L, shape.S)
+    if tensor is not None:
+        tensor = _normalize_mask(tensor, query, shape.lead, shape.L, shape.S)
+    return masks.join(tensor, structured)
 
 
 def check_structured(mask: masks.Mask, batch: tuple[int, ...], L: int, S: int) -> None:
@@ -531,15 +560,17 @@ def _lay_out(query, key, value, mask, mods, causal, scale, dropout_p, shape: _Sh
     q4 = _to_4d(query, batch, hq, has_heads)  # (B, Hq, L, E)
     k4 = _to_4d(key, batch, hkv, has_heads)  # (B, Hkv, S, E)
     v4 = _to_4d(value, batch, hkv, has_heads)  # (B, Hkv, S, Ev)
-    if isinstance(mask, torch.Tensor):
-        mask = _mask_to_4d(mask, batch, hq, has_heads, shape.L, shape.S)  # (B|1, Hq|1, L, S)
+    tensor, structured = masks.split(mask)
+    if tensor is not None:
+        tensor = _mask_to_4d(tensor, batch, hq, has_heads, shape.L, shape.S)  # (B|1,Hq|1,L,S)
     lead = shape.lead
+    mask = folded(masks.join(tensor, structured), causal)
     if mods is None:
-        return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead)
+        return Inputs(q4, k4, v4, mask, scale, dropout_p, lead)
     sinks = mods.sinks
     if sinks is not None:
         sinks = _normalize_sinks(sinks, query, lead, shape.L, q4.shape[0])  # (B, Hq, L|1)
-    return Inputs(q4, k4, v4, mask, causal, scale, dropout_p, lead, mods.softcap, sinks)
+    return Inputs(q4, k4, v4, mask, scale, dropout_p, lead, mods.softcap, sinks)
 
 
 def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool) -> torch.Tensor:
@@ -549,6 +580,8 @@ def _to_4d(t: torch.Tensor, batch: tuple[int, ...], heads: int, has_heads: bool)
         return t  # already (B, heads, X, Y)
     if not has_heads:  # (X, Y) or (N, X, Y): no heads dim
         t = t.unsqueeze(-3)  # (.., 1, X, Y)
+    elif t.ndim >= 3 and t.shape[-3] not in (1, heads):  # key and value of other head counts
+        t = t.repeat_interleave(heads // t.shape[-3], dim=-3)  # (..., heads, X, Y): a copy
     t = t.reshape((1,) * (len(batch) + 3 - t.ndim) + tuple(t.shape))  # (*1s, h, X, Y)
     t = t.expand(*batch, heads, t.shape[-2], t.shape[-1])  # (*batch, heads, X, Y)
     if len(batch) != 1:
@@ -698,7 +731,9 @@ def fast_normalize(
             return None
         if ml != L:
             mask = mask.expand(mb, mh, L, S)
-    return _new_inputs(Inputs, (query, key, value, mask, causal, scale, 0.0, (B, Hq), None, None))
+    if causal:
+        mask = folded(mask, causal)
+    return _new_inputs(Inputs, (query, key, value, mask, scale, 0.0, (B, Hq), None, None))
 
 
 # -- for the engines ---------------------------------------------------------------------

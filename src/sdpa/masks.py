@@ -106,6 +106,12 @@ class Mask:
         then runs its own causal path)."""
         return False
 
+    def within_top_left(self, L: int, S: int) -> bool:
+        """Whether query i sees no key j > i here (top-left causality is part of this
+        mask), decided without a scan: rows < r then see only keys < r. Sound: False
+        is always allowed."""
+        return False
+
     def validate(self, L: int, S: int) -> None:
         """Raise ValueError if this mask cannot describe an L x S attention."""
 
@@ -192,6 +198,9 @@ class _Band(Mask):
     def is_top_left_causal(self, L, S):
         return self.size is None and (self.align == "top-left" or L == S)
 
+    def within_top_left(self, L, S):
+        return _offset(self.align, L, S) <= 0
+
     def keep(self, q_pos, k_pos, L, S):
         off = _offset(self.align, L, S)
         keep = visible_grid(q_pos, k_pos, off)  # (r, c)
@@ -251,6 +260,82 @@ def causal(align: str = "bottom-right") -> Mask:
     With L > S and bottom-right, the first L - S queries see no key (their output is 0).
     """
     return _Band(None, align, "causal")
+
+
+TOP_LEFT = causal("top-left")
+"""Top-left causality, one shared immutable mask: what causal=True means (sdpa.attention
+needs L == S for it, where both alignments agree; the drop-in's is_causal is top-left),
+recognised by identity on the fast lane (no allocation per call)."""
+
+
+class TensorAnd:
+    """A tensor mask AND a structured one: a bool keep-mask or float bias broadcasting to
+    (B, H, L, S) (`tensor`), and a Mask (`structured`, e.g. TOP_LEFT for causal=True),
+    neither materialised with the other. How a call's mask is read: `split`."""
+
+    __slots__ = ("structured", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, structured: Mask):
+        self.tensor, self.structured = tensor, structured
+
+    def __repr__(self) -> str:
+        return f"(tensor{tuple(self.tensor.shape)} & {self.structured!r})"
+
+
+def split(mask: object) -> tuple[torch.Tensor | None, Mask | None]:
+    """(the tensor part, the structured part) of a call's mask: a tensor, a Mask, a
+    TensorAnd or None. The one place that reads which is which."""
+    if mask is None:
+        return None, None
+    if isinstance(mask, Mask):
+        return None, mask
+    if mask.__class__ is TensorAnd:
+        return mask.tensor, mask.structured
+    return mask, None
+
+
+def combine(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """Two tensor masks ANDed, broadcasting, each a bool keep-mask or a float bias: two
+    keep-masks meet (&), a bias takes -inf where a keep-mask excludes, two biases add.
+    The one keep-and-bias rule."""
+    if a is None or b is None:
+        return b if a is None else a
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    if a.dtype == torch.bool:
+        a, b = b, a
+    if b.dtype == torch.bool:
+        return a.masked_fill(~b, -torch.inf)
+    return a + b
+
+
+def join(tensor: torch.Tensor | None, structured: Mask | None):
+    """The mask of a tensor part and a structured part (split's inverse)."""
+    if tensor is None or structured is None:
+        return structured if tensor is None else tensor
+    return TensorAnd(tensor, structured)
+
+
+def and_top_left(mask: torch.Tensor | Mask | None) -> torch.Tensor | Mask | TensorAnd:
+    """mask AND top-left causality (causal=True), with nothing materialised: TOP_LEFT
+    alone, a structured mask & TOP_LEFT, or a TensorAnd of a tensor."""
+    if mask is None:
+        return TOP_LEFT
+    if isinstance(mask, Mask):
+        return mask & TOP_LEFT
+    return TensorAnd(mask, TOP_LEFT)
+
+
+def causal_flag(
+    mask: torch.Tensor | Mask | TensorAnd | None, L: int, S: int
+) -> tuple[torch.Tensor | Mask | None, bool]:
+    """How a kernel with a top-left causal flag takes `mask`: (what is left of the mask,
+    True) where exactly top-left causality is ANDed in (TOP_LEFT, or a tensor with it),
+    else (mask, False). The one place a causal flag is derived from a mask."""
+    tensor, structured = split(mask)
+    if structured is not None and structured.is_top_left_causal(L, S):
+        return tensor, True
+    return mask, False
 
 
 def sliding_window(size: int, align: str = "bottom-right") -> Mask:
@@ -436,6 +521,10 @@ class _Combined(Mask):
     def validate(self, L, S):
         self.a.validate(L, S)
         self.b.validate(L, S)
+
+    def within_top_left(self, L, S):
+        a, b = self.a.within_top_left(L, S), self.b.within_top_left(L, S)
+        return (a or b) if self.op == "and" else (a and b)
 
     def keep(self, q_pos, k_pos, L, S):
         a, b = self.a.keep(q_pos, k_pos, L, S), self.b.keep(q_pos, k_pos, L, S)

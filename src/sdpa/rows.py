@@ -119,9 +119,8 @@ def tiles(r: Rows, budget: int) -> Iterator[Tile]:
     heads and rows) when it fits, else row chunks of one head at a time."""
     _, H, n, m = r.shape
     L = r.inputs.query.shape[2]
-    item = torch.finfo(r.dtype).bits // 8
-    whole = H * n * m * item <= budget
-    step = n if whole else max(1, budget // max(1, m * item))
+    whole = tile.chunk_rows(H, m, r.dtype, budget=budget) >= n
+    step = n if whole else tile.chunk_rows(1, m, r.dtype, budget=budget)
     blocks = _head_blocks(r) if whole else [(j, range(h, h + 1)) for j, h in enumerate(r.heads)]
     for at_b, b in enumerate(r.batch):
         for j, heads in blocks:
@@ -153,12 +152,12 @@ def operands(r: Rows, t: Tile):
         sinks = sinks[t.b : t.b + 1, hs].detach()
         sinks = sinks if sinks.shape[-1] == 1 else tile.cut(sinks, 2, t.q_rows)
     L, S = i.query.shape[2], i.key.shape[2]
-    mask = i.mask
-    if isinstance(mask, torch.Tensor):
-        mask = mask[t.b : t.b + 1] if mask.shape[0] > 1 else mask
-        mask = mask[:, hs] if mask.shape[1] > 1 else mask
-    window = tile.window(mask, i.causal, L, S, t.q_rows, r.keys, q.device)
-    if isinstance(i.mask, masks.Mask) and window.shape[0] > 1:
+    tensor, structured = masks.split(i.mask)
+    if tensor is not None:
+        tensor = tensor[t.b : t.b + 1] if tensor.shape[0] > 1 else tensor
+        tensor = tensor[:, hs] if tensor.shape[1] > 1 else tensor
+    window = tile.window(masks.join(tensor, structured), L, S, t.q_rows, r.keys, q.device)
+    if structured is not None and window.shape[0] > 1:  # a structured mask's batch
         window = window[t.b : t.b + 1]
     return q, k, lse, sinks, window
 
@@ -222,8 +221,8 @@ def scratch(r: Rows, budget: int) -> torch.Tensor:
     """One reusable buffer for the largest tile of `tiles(r, budget)` (fresh pages fault
     on every allocation); `in_tile` views it per tile."""
     _, H, n, m = r.shape
-    item = torch.finfo(r.dtype).bits // 8
-    size = H * n * m if H * n * m * item <= budget else min(n, max(1, budget // (m * item))) * m
+    whole = tile.chunk_rows(H, m, r.dtype, budget=budget) >= n
+    size = H * n * m if whole else min(n, tile.chunk_rows(1, m, r.dtype, budget=budget)) * m
     return torch.empty(size, dtype=r.dtype, device=r.device)
 
 
@@ -496,6 +495,6 @@ def pairs(inputs: Inputs, lse: torch.Tensor, qi: torch.Tensor, kj: torch.Tensor)
     q = q.gather(2, qi[:, None, :, None].expand(B, H, P, E))  # (B, H, P, E)
     k = k.gather(2, kj[:, None, :, None].expand(B, Hkv, P, E))  # (B, Hkv, P, E)
     s = tile.pair_scores(q, k, tile.Scoring.of(inputs))  # (B, H, P)
-    s = tile.exclude(s, tile.window_pairs(inputs.mask, inputs.causal, L, S, qi, kj))
+    s = tile.exclude(s, tile.window_pairs(inputs.mask, L, S, qi, kj))
     lse = lse.gather(2, qi[:, None].expand(B, H, P))  # (B, H, P)
     return tile.rebuild(s[..., None], lse)[..., 0]

@@ -1,10 +1,13 @@
 """Tuning settings: the sizes and limits where sdpa switches engines, in one object.
 
-Every engine reads the settings of the current context once per call
-(`sdpa.settings.get()`); `override` changes some of them inside a `with` block, for
-this thread or asyncio task only (a `contextvars.ContextVar`), and restores them on
-exit. The defaults were measured on CPU with benchmarks/; none changes a result beyond
-rounding, only which engine computes it and how much memory it takes at once.
+Engines read the settings of the current context (`sdpa.settings.get()`) wherever
+they need one, so one call may read them at several points (the backend's choice, each
+read's tile size, a kernel's eligibility): a call and each later read of its weights
+run with the settings in force when they run, and a read's backward with those of its
+forward. `override` changes some of them inside a `with` block, for this thread or
+asyncio task only (a `contextvars.ContextVar`), and restores them on exit. The
+defaults were measured on CPU with benchmarks/; none changes a result beyond rounding,
+only which engine computes it and how much memory it takes at once.
 
     with sdpa.settings.override(chunk_bytes=2**20):   # smaller tiles, less memory
         w.sum(dim=-2)
@@ -33,11 +36,13 @@ class Settings:
     """
 
     chunk_bytes: int = 4 * 2**20
-    """Working memory (bytes) of one chunk of query rows: a tile of the weights engine
-    (rows, sums, entropy, top-k of AttentionWeights, their backward) and a chunk of the
-    chunked backend. Tiles that stay in cache make the passes over them fast: measured on
-    CPU at (1, 4, 4096, 32), 4 MiB tiles read entropy and sums 1.2-4x faster than 64 MiB
-    ones, and the chunked backend's softcap calls at (1, 8, 2048, 64) 1.3-2x faster.
+    """Working memory (bytes) of one chunk of query rows (tile.chunk_rows, the one place a
+    tile size is chosen): a tile of the weights engine (rows, sums, entropy, top-k of
+    AttentionWeights, their backward), a chunk of the chunked backend and of ring
+    attention's plain-torch block kernels. Tiles that stay in cache make the passes over
+    them fast: measured on CPU at (1, 4, 4096, 32), 4 MiB tiles read entropy and sums
+    1.2-4x faster than 64 MiB ones, and the chunked backend's softcap calls at (1, 8, 2048,
+    64) 1.3-2x faster.
     Default 4 MiB."""
 
     exact_lse_limit: float = 32.0
@@ -64,10 +69,6 @@ class Settings:
     """Ring attention: bytes of bool keep-mask plus float bias materialised at once for
     a chunk of query rows when planning a shard's calls. Default 16 MiB."""
 
-    math_chunk_bytes: int = 64 * 2**20
-    """Ring attention off CPU: bytes of float32 scores of one chunk of query rows in the
-    plain-torch block kernels. Default 64 MiB."""
-
     small_weights: int = 2**21
     """Largest B * Hq * L * S (scores) the small backend takes (the listing's math in
     one product, weights kept): past it torch's fused kernel is faster on CPU. 0 turns
@@ -88,7 +89,7 @@ class Settings:
     call. 0 turns it off. Default 2**16."""
 
 
-_INTS = ("chunk_bytes", "kernel_mask_bytes", "mask_chunk_bytes", "math_chunk_bytes")
+_INTS = ("chunk_bytes", "kernel_mask_bytes", "mask_chunk_bytes")
 _COUNTS = ("small_weights", "small_head", "small_causal", "one_product_weights")
 _LIMITS = ("exact_lse_limit", "kernel_lse_limit")
 _NAMES = tuple(f.name for f in dataclasses.fields(Settings))

@@ -5,18 +5,20 @@ backends, the chunked backend, the fused backend's empty pieces and sinks, the w
 rows engine and the backward of the reads, and ring attention's block math.
 
     Scoring.of(inputs)            the score modifiers (scale, softcap), in one record
-    window(mask, causal, ...)     the mask of a rows x keys window (tensor slice,
-                                  structured keep, causal visibility), or of pairs
+    window(mask, ...)             the mask of a rows x keys window (tensor slice,
+                                  structured keep: causal=True is masks.TOP_LEFT), or
+                                  of pairs
     scores(q, k, scoring)         s = mod(scale * q k^T), grouped-query heads folded in
     pair_scores(q, k, scoring)    the same for chosen (query, key) pairs
     exclude(s, window)            -inf where a key is excluded, a float mask added
     values(p, v)                  p v, grouped-query heads folded in
     finish(s, sinks)              probabilities and the LSE: the edge convention below
-    shift, exponentiate,          probabilities from an LSE computed elsewhere (or the
+    shift, marked, exponentiate,  probabilities from an LSE computed elsewhere (or the
     log_weights,                  row max), normalised by each row's own sum, their
     sink_weight, entropy_of,      logs, the sink's share, the entropy and KL of rows,
     kl_of, rebuild                a selection of keys (rebuild)
     merge(a, b), add_sinks(...)   partial (out, lse) over disjoint keys, exactly
+    sink_grad(dout, out, lse, z)  the sinks' gradient from the output's
     no_keys(...)                  the result of rows that see no key
 
 The edge convention, defined here and nowhere else (tests/test_rules.py holds every
@@ -25,7 +27,10 @@ engine to it):
   causality, or -inf in a float mask): its weights and output are 0, its LSE 0 (torch's
   fused convention); sinks merge on top of that (LSE logaddexp(0, z));
 - a NaN or +inf score (from q, k, or NaN / +inf in a float mask) makes its row NaN, as
-  the listing's softmax does;
+  the listing's softmax does; a kernel marks such a row's LSE NaN or +inf (torch's CPU
+  kernel, every release: +inf where the +inf key falls in one of AVX2's 8-wide vectors,
+  NaN in the scalar tail or without AVX2), and an LSE read here reads both as NaN
+  (`marked`);
 - scale = 0 gives every visible key the same score: uniform weights.
 Rows are normalised by their own sum of exponentials (the row max subtracted first, as
 torch's softmax does), so a weight's error is that of its score, not eps x |lse|.
@@ -43,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa import masks
+from sdpa import masks, settings
 from sdpa.inputs import compute_dtype, empty, known
 
 LOG2E = 1.0 / math.log(2.0)
@@ -81,6 +86,8 @@ def positions(index: slice | torch.Tensor, n: int, device: torch.device) -> torc
     """The positions (r,) that a slice (or a tensor of positions) picks among n."""
     if isinstance(index, torch.Tensor):
         return index
+    if index == slice(None):  # every position: no slice.indices(n), which needs an int n
+        return torch.arange(n, device=device)  # (a symbolic n stays symbolic under export)
     return torch.arange(*index.indices(n), device=device)
 
 
@@ -96,20 +103,8 @@ def cut(
     return t.index_select(dim, index)
 
 
-def combine(mask: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor | None:
-    """A mask (bool keep or float bias) AND a bool keep-mask, broadcasting."""
-    if keep is None:
-        return mask
-    if mask is None:
-        return keep
-    if mask.dtype == torch.bool:
-        return mask & keep
-    return mask.masked_fill(~keep, -torch.inf)
-
-
 def window(
-    mask: torch.Tensor | masks.Mask | None,
-    causal: bool,
+    mask: torch.Tensor | masks.Mask | masks.TensorAnd | None,
     L: int,
     S: int,
     rows: slice | torch.Tensor = slice(None),
@@ -117,28 +112,22 @@ def window(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor | None:
     """The mask of query rows `rows` over keys `keys` (slices, or tensors of positions
-    among the L queries and S keys), causality included: (B|1, H|1, r, c) bool
-    (True = takes part) or float (added), or None where nothing masks.
+    among the L queries and S keys): (B|1, H|1, r, c) bool (True = takes part) or float
+    (added), or None where nothing masks.
 
     mask: a tensor (B|1, H|1, L, S) (cut, a view where it can be), a structured mask
-    (its keep for these positions, (Bm, 1, r, c)), or None. causal: top-left."""
-    structured = isinstance(mask, masks.Mask)
-    if structured or causal:
+    (its keep for these positions, (Bm, 1, r, c)), both (masks.TensorAnd: causal=True
+    is masks.TOP_LEFT), or None."""
+    tensor, structured = masks.split(mask)
+    out = None if tensor is None else cut(cut(tensor, 2, rows, True), 3, keys, True)
+    if structured is not None:
         q_pos, k_pos = positions(rows, L, device), positions(keys, S, device)
-    if structured:
-        out = mask.keep(q_pos, k_pos, L, S)[:, None]  # (Bm, 1, r, c)
-    elif mask is not None:
-        out = cut(cut(mask, 2, rows, True), 3, keys, True)  # (B|1, H|1, r, c)
-    else:
-        out = None
-    if causal:
-        out = combine(out, masks.visible_grid(q_pos, k_pos)[None, None])  # (1, 1, r, c)
+        out = masks.combine(out, structured.keep(q_pos, k_pos, L, S)[:, None])  # (Bm, 1, r, c)
     return out
 
 
 def window_pairs(
-    mask: torch.Tensor | masks.Mask | None,
-    causal: bool,
+    mask: torch.Tensor | masks.Mask | masks.TensorAnd | None,
     L: int,
     S: int,
     qi: torch.Tensor,
@@ -146,25 +135,23 @@ def window_pairs(
 ) -> torch.Tensor | None:
     """The mask at P (query, key) pairs, qi and kj (1|B, P) positions: (B'|1, H|1, P)
     bool or float (B' = the larger of the pairs' and the mask's batch), or None."""
-    if isinstance(mask, masks.Mask):
+    tensor, structured = masks.split(mask)
+    out = None
+    if tensor is not None:
+        Bm = max(tensor.shape[0], qi.shape[0])
+        b = torch.arange(Bm, device=qi.device)[:, None]
+        out = tensor.expand(Bm, *tensor.shape[1:])[b, :, qi, kj].permute(0, 2, 1)  # (Bm, Hm, P)
+    if structured is not None:
         if qi.shape[0] == 1:  # pairs shared by every batch element
-            out = mask.keep_pairs(qi[0], kj[0], L, S)  # (Bm, P)
+            keep = structured.keep_pairs(qi[0], kj[0], L, S)  # (Bm, P)
         else:
-            out = torch.stack(
+            keep = torch.stack(
                 [
-                    mask.keep_pairs(qi[b], kj[b], L, S)[b if mask.batch else 0]
+                    structured.keep_pairs(qi[b], kj[b], L, S)[b if structured.batch else 0]
                     for b in range(qi.shape[0])
                 ]
             )  # (B, P)
-        out = out[:, None]  # (B'|1, 1, P)
-    elif mask is not None:
-        Bm = max(mask.shape[0], qi.shape[0])
-        b = torch.arange(Bm, device=qi.device)[:, None]
-        out = mask.expand(Bm, *mask.shape[1:])[b, :, qi, kj].permute(0, 2, 1)  # (Bm, Hm, P)
-    else:
-        out = None
-    if causal:
-        out = combine(out, masks.visible(qi, kj)[:, None])  # top-left, elementwise
+        out = masks.combine(out, keep[:, None])  # (B'|1, 1, P)
     return out
 
 
@@ -323,6 +310,88 @@ def values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.view(B, H, n, Ev)
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    window: torch.Tensor | None,
+    scoring: Scoring,
+    sinks: torch.Tensor | None = None,
+    *,
+    lse: bool = True,
+    every_row_sees_a_key: bool = False,
+    from_key: int = 0,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """One block of attention by the tile rule: scores, the window's mask, finish (the
+    edge convention, sinks included), dropout on the weights, values. q (B, H, n, E), k
+    (B, Hkv, m, E), v (B, Hkv, m, Ev) or None (the weights alone), window (B|1, H|1, n,
+    m - from_key) or None: the mask of the keys from `from_key` on (the keys before it
+    are all visible). Returns (out (B, H, n, Ev) in q's dtype or None, lse (B, H, n), or
+    None with lse=False, p (B, H, n, m) in the compute dtype, before dropout).
+    Differentiable; in place where nothing needs a gradient."""
+    s = scores(q, k, scoring)  # (B, H, n, m)
+    if from_key and window is not None and not _grad(s, window):
+        exclude(s[..., from_key:], window)  # in place, on the view of the masked keys
+    elif from_key and window is not None:
+        s = torch.cat([s[..., :from_key], exclude(s[..., from_key:], window)], dim=-1)
+    else:
+        s = exclude(s, window)
+    p, row_lse = finish(s, sinks, lse=lse, every_row_sees_a_key=every_row_sees_a_key)
+    if v is None:
+        return None, row_lse, p
+    dropped = torch.nn.functional.dropout(p, dropout_p, training=True) if dropout_p > 0 else p
+    out = values(dropped, v)
+    return (out if out.dtype is q.dtype else out.to(q.dtype)), row_lse, p
+
+
+def softmax_grad(
+    p: torch.Tensor, pg: torch.Tensor, d: torch.Tensor | None = None, *, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax backward, the one place it is written: dS = PG - P D for weights p
+    (..., n, m) and PG = P * G (G the gradient of the weights), D = sum_j PG (..., n, 1)
+    unless given (an attention output's backward gives D = dO . O). Returns (dS, D);
+    inplace: into pg, p scaled by D (both then consumed). A sink in the row (value 0)
+    gets -p_sink D."""
+    if d is None:
+        d = pg.sum(dim=-1, keepdim=True)  # (..., n, 1)
+    if inplace:
+        return pg.sub_(p.mul_(d)), d
+    return pg - p * d, d
+
+
+def chunk_rows(
+    lead: int, S: int, dtype: torch.dtype, copies: int = 1, budget: int | None = None
+) -> int:
+    """Query rows per tile: `lead` (batch x heads) rows of S entries in `dtype`, `copies`
+    such arrays live at once (scores, weights, a mask row), within the budget (the
+    settings' chunk_bytes unless given). The one place a tile size is chosen."""
+    budget = settings.get().chunk_bytes if budget is None else budget
+    item = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1
+    return max(1, budget // max(1, lead * S * item * copies))
+
+
+def row_chunks(n: int, step: int) -> list[slice]:
+    """The query rows 0..n in chunks of `step`: the row-chunk iterator every driver uses."""
+    return [slice(r0, min(n, r0 + step)) for r0 in range(0, n, step)] or [slice(0, 0)]
+
+
+def zero_dead(
+    out: torch.Tensor, lse: torch.Tensor, dead: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel's (out (..., n, Ev), lse (..., n)) with the edge convention applied to the
+    rows `dead` (..., n, 1) marks as seeing no key: output 0 and LSE 0, whatever the
+    kernel gave them (no host read)."""
+    out = torch.where(dead, out.new_zeros(()), out)
+    return out, torch.where(dead[..., 0], lse.new_zeros(()), lse)
+
+
+def unsettled(lse: torch.Tensor, alive: torch.Tensor | None) -> torch.Tensor:
+    """A part's LSE (..., n) as `merge` takes it: -inf for the rows that saw no key in
+    it (alive (B|1, n) False: a kernel gives them 0, the convention's settled value)."""
+    return lse if alive is None else lse.masked_fill(~alive[:, None], -torch.inf)
+
+
 def raw_grad(ds: torch.Tensor, s: torch.Tensor, scoring: Scoring) -> torch.Tensor:
     """dL/d(q.k) from dL/ds for scores s = scores(...): scale, through the softcap's
     tanh (ds/du = 1 - (s / c)^2). In place on ds."""
@@ -423,14 +492,22 @@ def shift(s: torch.Tensor, lse: torch.Tensor, *, exact: bool) -> tuple[torch.Ten
     elsewhere (the fused kernel's: exp(t) is then p itself, up to the LSE's rounding),
     or with exact the row max (as torch's softmax subtracts it: where a float32 LSE has
     lost digits, |lse| past the settings' exact_lse_limit). A row that sees no key stays
-    -inf; a NaN LSE (the kernel's mark of a NaN or +inf score) gives a NaN row. Not
-    differentiable (the reads' backward is its own)."""
+    -inf; a NaN or +inf LSE (the kernel's marks of a NaN or +inf score) gives a NaN row.
+    Not differentiable (the reads' backward is its own)."""
     if exact:
         c = s.amax(dim=-1, keepdim=True)  # (B, H, n, 1)
         c.masked_fill_(torch.isneginf(c), 0.0)
     else:
-        c = lse[..., None]
+        c = marked(lse)[..., None]
     return s.sub_(c), c
+
+
+def marked(lse: torch.Tensor) -> torch.Tensor:
+    """An LSE (B, H, n) from elsewhere as the convention reads it: NaN for a row with a
+    NaN or +inf score, which a kernel marks NaN or +inf (see the module docstring). No
+    finite scores sum to +inf (the largest float32 score plus ln S stays finite), so +inf
+    is only that mark; exp(s - inf) would read 0 at the row's finite scores, not NaN."""
+    return lse.masked_fill(torch.isposinf(lse), torch.nan)
 
 
 def normalizer(e: torch.Tensor, c: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -483,8 +560,9 @@ def entropy_of(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 def rebuild(t: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     """Weights of a selection of keys from an LSE computed elsewhere: p = exp(s - lse),
     in place on the scores t (B, H, n, m) (a selection cannot be normalised by its own
-    row sum); lse None: t already holds s - lse. A NaN LSE gives a NaN row."""
-    return (t if lse is None else t.sub_(lse[..., None])).exp_()
+    row sum); lse None: t already holds s - lse. A NaN or +inf LSE gives a NaN row
+    (`marked`; with lse None the caller's, as rows.needs_every_key sends such rows whole)."""
+    return (t if lse is None else t.sub_(marked(lse)[..., None])).exp_()
 
 
 def kl_of(
@@ -544,6 +622,19 @@ def add_sinks(
     kernel's (out, lse) (lse 0 for a row that sees no key: it stays 0 output with lse
     logaddexp(0, z), the convention)."""
     return merge(out, lse, None, sinks.expand_as(lse))
+
+
+def sink_grad(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of sink logits z (B, H, n|1) from the upstream gradient dout
+    (B, H, n, Ev) of an output out (B, H, n, Ev) whose lse (B, H, n) has the sinks
+    merged in: a sink is a key of value 0, so d out_i / d z_i = -p_sink_i out_i and
+    dz_i = -p_sink_i (dO_i . out_i), p_sink_i = exp(z_i - lse_i); summed over the rows
+    for one logit per head. In out's dtype (0 from a row that sees no key: its out is 0)."""
+    d = (dout.to(out.dtype) * out).sum(dim=-1)  # (B, H, n)
+    g = -(torch.exp(sinks.to(out.dtype) - lse.to(out.dtype)) * d)
+    return g.sum(dim=-1, keepdim=True) if sinks.shape[-1] == 1 else g
 
 
 def no_keys(

@@ -22,6 +22,7 @@ costs about as much.)
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import operator
 from collections.abc import Callable
@@ -134,14 +135,24 @@ class AttentionWeights:
 
     def _held(self, grad: bool = False) -> torch.Tensor | None:
         """The whole weights (B, Hq, L, S) if the backend kept them, else computed in
-        one product and kept where small (small.one_product), else None. With grad,
-        only weights inside the autograd graph (torch then differentiates every read of
-        them): computed with autograd where small."""
+        one product and kept where small (small.one_product), else None. With grad:
+        computed afresh with autograd, in one product, for this read alone, where the
+        backend kept them or they are small (torch then differentiates the read); never
+        kept, so no two reads, nor a read and the output, share a graph (each may have
+        its own backward), and torch's own saved-tensor check sees q and k as they were
+        at the read."""
         p = self._probs
-        if p is not None and (not grad or p.requires_grad):
+        if grad:
+            if p is None and not small.one_product(self._inputs):
+                return None
+            with torch.enable_grad(), no_autocast(self.device.type):
+                p = small.probabilities(self._inputs)
+            mask = self._inputs.tensor_mask  # (autograd saves q and k, not an added mask)
+            return p if mask is None else grads.watch(p, [mask])
+        if p is not None:
             return p
         if small.one_product(self._inputs):
-            with torch.set_grad_enabled(grad), no_autocast(self.device.type):
+            with torch.no_grad(), no_autocast(self.device.type):
                 p = small.probabilities(self._inputs)
             self._probs = p
             return p
@@ -153,7 +164,7 @@ class AttentionWeights:
         read must carry gradients (not frozen weights, which refuse under grad)."""
         if self._frozen or p.numel() * p.element_size() > DEFAULT_MAX_BYTES:
             return False
-        return p.requires_grad or not torch.is_grad_enabled() or grads.needs(self._inputs) is None
+        return not torch.is_grad_enabled() or grads.needs(self._inputs) is None
 
     def _needs(self, inputs: Inputs | None = None) -> grads.Needs | None:
         """Which inputs a read must carry gradients to (None: no read needs any). The
@@ -213,10 +224,11 @@ class AttentionWeights:
         """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key.
         Differentiable (dlse_i / ds_ij = p_ij)."""
         self._check_fresh()
-        lse = self._log_sum_exp()
+        lse = tile.marked(self._log_sum_exp())  # a copy; +inf, a kernel's other NaN mark
         needs = self._needs()
         if needs is not None and not self._shape_only:
-            lse = grads.read(grads.Spec(self._every_row(), grads.lse_rule(), needs, lse.clone))
+            value = lse
+            lse = grads.read(grads.Spec(self._every_row(), grads.lse_rule(), needs, lambda: value))
         return lse.reshape(self._inputs.shape[:-1])
 
     def __repr__(self) -> str:
@@ -269,7 +281,7 @@ class AttentionWeights:
         held = self._held(grad=True)
         if held is not None:  # in the graph: torch differentiates the read
             with no_autocast(self.device.type):
-                return PROVIDERS[read][0].compute(self, *args)
+                return HELD[read](held, *args)
         value = self._provide(read, *args, held=False)
         spec = grads.Spec(
             self._every_row() if selection is None else selection,
@@ -426,7 +438,10 @@ class AttentionWeights:
         if theirs is None and torch.is_grad_enabled() and other.requires_grad:
             extras.append((other, _target_grad(mine, target, other, reverse)))
         if sides or extras:
-            value = grads.read_sides(lambda v=value: v, sides, extras)
+            # what the backward reads without differentiating it: the other side's q, k,
+            # mask and sinks, or a dense target
+            watch = [other] if theirs is None else grads.watched(theirs.inputs)
+            value = grads.read_sides(lambda v=value: v, sides, extras, watch)
         return self._lead(value)
 
     def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
@@ -440,12 +455,12 @@ class AttentionWeights:
         held = self._held(grad=self._needs() is not None or xb.requires_grad)
         if held is not None:
             return self._lead(torch.matmul(held, xb.to(held.dtype)))
-        from sdpa.backends import select  # (the registry imports this module's layer)
+        from sdpa.backends import run, select  # (the registry imports this module's layer)
 
         key = i.key if i.group == 1 else i.key.repeat_interleave(i.group, dim=1)  # (B,Hq,S,E)
-        run = i._replace(key=key, value=xb.to(i.query.dtype), dropout_p=0.0)
+        product = i._replace(key=key, value=xb.to(i.query.dtype), dropout_p=0.0)
         with no_autocast(self.device.type):
-            out = select(run).run(run)[0]  # (B, Hq, L, F)
+            out = run(select(product), product)[0]  # (B, Hq, L, F)
         return self._lead(out.to(self.dtype))
 
     def __rmatmul__(self, u: torch.Tensor) -> torch.Tensor:
@@ -476,7 +491,7 @@ class AttentionWeights:
                 if needs is not None:
                     rule = grads.weighted_rows_rule(ub.detach())
                     sides.append(grads.Side(r, rule, needs))
-                out = grads.read_sides(lambda v=out: v, sides, extras)
+                out = grads.read_sides(lambda v=out: v, sides, extras, [ub])  # (its rule reads u)
         out = self._lead(out)
         return out[..., 0, :] if vector else out
 
@@ -575,27 +590,8 @@ def _always(w: AttentionWeights) -> bool:
     return True
 
 
-def _kernel_args(w: AttentionWeights) -> tuple | None:
-    """(q, k, mask tensor or None, causal) for the Triton kernels, or None where they
-    can't serve: not on the settings' kernel_devices, triton missing, an unsupported
-    dtype or head size, a softcap or sinks, or a structured mask over kernel_mask_bytes."""
-    i = w._inputs
-    tuning = settings.get()
-    if w.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
-        return None
-    if i.softcap is not None or i.sinks is not None:  # the kernels score plain q . k
-        return None
-    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
-    L, S = i.query.shape[2], i.key.shape[2]
-    if isinstance(mask, masks.Mask):
-        if (mask.batch or 1) * L * S > tuning.kernel_mask_bytes:
-            return None
-        mask = masks.as_4d(mask.materialize(L, S, w.device, max_bytes=None))  # (B|1,1,L,S)
-    return i.query, i.key, mask, causal
-
-
 def _triton_serves(w: AttentionWeights) -> bool:
-    return _kernel_args(w) is not None
+    return kernels.admit(w._inputs) is not None
 
 
 def _triton_stats(w: AttentionWeights, which: str) -> torch.Tensor:
@@ -603,7 +599,7 @@ def _triton_stats(w: AttentionWeights, which: str) -> torch.Tensor:
     LSE as the shift, rows normalised by their own sum)."""
     from sdpa.kernels.entropy import entropy_and_max  # imports triton
 
-    q, k, mask, causal = _kernel_args(w)
+    q, k, mask, causal = kernels.admit(w._inputs)
     entropy, top = entropy_and_max(
         q, k, w._log_sum_exp(), mask, causal=causal, scale=w._inputs.scale
     )
@@ -612,30 +608,16 @@ def _triton_stats(w: AttentionWeights, which: str) -> torch.Tensor:
 
 def _triton_logits_serves(w: AttentionWeights) -> bool:
     """The max-logits kernel scores raw q . k (before any softcap; sinks are no key's
-    score), so only the device, triton and the mask's size decide."""
-    i = w._inputs
-    tuning = settings.get()
-    if w.device.type not in tuning.kernel_devices or kernels.unsupported(i.query, i.key):
-        return False
-    mask = i.mask
-    L, S = i.query.shape[2], i.key.shape[2]
-    return not (
-        isinstance(mask, masks.Mask)
-        and not i.causal_only
-        and (mask.batch or 1) * L * S > tuning.kernel_mask_bytes
-    )
+    score)."""
+    return kernels.admit(w._inputs, raw_scores=True) is not None
 
 
 def _triton_logits(w: AttentionWeights) -> torch.Tensor:
     """Each row's largest raw score (B, Hq, L) from the one-pass Triton kernel."""
     from sdpa.kernels.logits import max_logits  # imports triton
 
-    i = w._inputs
-    mask, causal = (None, True) if i.causal_only else (i.mask, i.causal)
-    L, S = i.query.shape[2], i.key.shape[2]
-    if isinstance(mask, masks.Mask):
-        mask = masks.as_4d(mask.materialize(L, S, w.device, max_bytes=None))  # (B|1,1,L,S)
-    return max_logits(i.query, i.key, mask, causal=causal, scale=i.scale)[0]
+    q, k, mask, causal = kernels.admit(w._inputs, raw_scores=True)
+    return max_logits(q, k, mask, causal=causal, scale=w._inputs.scale)[0]
 
 
 def _triton_received_serves(w: AttentionWeights) -> bool:
@@ -652,14 +634,15 @@ def _triton_received_serves(w: AttentionWeights) -> bool:
     i = w._inputs
     if i.query.is_cpu:
         return _lse_within(w, settings.get().kernel_lse_limit)
-    return not (isinstance(i.mask, torch.Tensor) and i.mask.is_floating_point())
+    tensor = i.tensor_mask
+    return not (tensor is not None and tensor.is_floating_point())
 
 
 def _triton_received(w: AttentionWeights) -> torch.Tensor:
     """Attention received per key (B, Hq, S) from the Triton kernel."""
     from sdpa.kernels.received import received  # imports triton
 
-    q, k, mask, causal = _kernel_args(w)
+    q, k, mask, causal = kernels.admit(w._inputs)
     return received(q, k, w._log_sum_exp(), mask, causal=causal, scale=w._inputs.scale)
 
 
@@ -670,38 +653,53 @@ def _lse_within(w: AttentionWeights, limit: float) -> bool:
     return bool((lse.abs() <= limit).all())
 
 
-def _held_entropy(w: AttentionWeights) -> torch.Tensor:
+def _held_entropy(held: torch.Tensor) -> torch.Tensor:
     """-sum p ln p of the kept weights; p = 0 adds 0 * ln(tiny) = 0 (torch's entr is 3x
     slower on CPU); a NaN row stays NaN."""
-    held = w._held()
     logp = held.clamp_min(torch.finfo(held.dtype).tiny).log()
     if held.requires_grad and torch.is_grad_enabled():  # (out of place: autograd reads them)
         return -(logp * held).sum(dim=-1)
     return logp.mul_(held).sum(dim=-1).neg_()
 
 
+HELD: dict[str, Callable[..., object]] = {
+    "full": torch.clone,
+    "sum": lambda p: p.sum(dim=-2),
+    "entropy": _held_entropy,
+    "amax": lambda p: p.amax(dim=-1),
+    "topk": lambda p, k: p.topk(k, dim=-1),
+}
+"""Each read of the whole weights p (B, Hq, L, S), as torch ops on p: the held
+provider's answer, and under grad the read differentiated by torch (p then computed
+afresh with autograd for the read: AttentionWeights._held)."""
+
+
+def _on_held(read: str) -> Provider:
+    return Provider("held", _has_held, lambda w, *args: HELD[read](w._held(), *args))
+
+
 PROVIDERS: dict[str, tuple[Provider, ...]] = {
     "full": (
-        Provider("held", _has_held, lambda w: w._held().clone()),
+        _on_held("full"),
         Provider("rows", _always, lambda w: rows.dense(w._every_row())),
     ),
     "sum": (
-        Provider("held", _has_held, lambda w: w._held().sum(dim=-2)),
+        _on_held("sum"),
         Provider("triton", _triton_received_serves, _triton_received),
         Provider("rows", _always, lambda w: rows.key_sums(w._every_row())),
     ),
     "entropy": (
-        Provider("held", _has_held, _held_entropy),
+        _on_held("entropy"),
         Provider("triton", _triton_serves, lambda w: _triton_stats(w, "entropy")),
         Provider("rows", _always, lambda w: rows.entropy(w._every_row())),
     ),
     "amax": (
-        Provider("held", _has_held, lambda w: w._held().amax(dim=-1)),
+        _on_held("amax"),
         Provider("triton", _triton_serves, lambda w: _triton_stats(w, "amax")),
         Provider("rows", _always, lambda w: rows.amax(w._every_row())),
     ),
     "topk": (
-        Provider("held", _has_held, lambda w, k: w._held().topk(k, dim=-1)),
+        _on_held("topk"),
         Provider("rows", _always, lambda w, k: rows.topk(w._every_row(), k)),
     ),
     "max_logits": (
@@ -736,39 +734,59 @@ class _Selection(NamedTuple):
     def read(self, inputs: Inputs, lse: torch.Tensor, needs: grads.Needs | None) -> torch.Tensor:
         """The selected weights, computed: only these rows and keys (their backward,
         where needs says so, reads every key of these rows)."""
-        batch, heads, sizes = self._lead_parts(inputs)
+        parts, heads, sizes = self._lead_parts(inputs)
         device = inputs.query.device
         q_rows, keys = _part(self.q_item, device), _part(self.k_item, device)
         if isinstance(keys, slice) and range(*keys.indices(inputs.key.shape[2])) == range(
             inputs.key.shape[2]
         ):
             keys = rows.ALL
-        r = rows.Rows(inputs, lse, batch, heads, q_rows, keys)
-        with torch.no_grad(), no_autocast(device.type):
-            if not r.complete and rows.needs_every_key(_selected_lse(r)):
-                p = rows.dense(r._replace(keys=rows.ALL))[..., keys]  # such rows: read whole
-            else:
-                p = rows.dense(r)  # (B', H', n, m)
-        if needs is not None:
-            value = p
-            p = grads.read(grads.Spec(r, grads.rows_rule(keys), needs, lambda: value))
+        read = [_read_rows(rows.Rows(inputs, lse, b, heads, q_rows, keys), needs) for b in parts]
+        p = read[0] if len(read) == 1 else torch.cat(read)  # (B', H', n, m)
         p = p.reshape(*sizes, *p.shape[1:])  # (*batch', H', n, m)
         has_heads = len(inputs.lead) >= 2
         drop = [*self.lead_items, self.q_item] if has_heads else [*self.lead_items, 0, self.q_item]
         p = p[tuple(0 if isinstance(d, int) else slice(None) for d in drop)]  # ints drop dims
         return p[..., 0] if isinstance(self.k_item, int) else p
 
-    def _lead_parts(self, inputs: Inputs) -> tuple[range, range, list[int]]:
-        """(batch elements among the B flattened ones, query heads, the sizes of the
-        selected batch dims)."""
+    def _lead_parts(self, inputs: Inputs) -> tuple[list[range], range, list[int]]:
+        """(the selected batch elements among the B flattened ones, as evenly spaced runs
+        in order, the query heads, the sizes of the selected batch dims), in plain Python:
+        slices of two or more batch dims select elements that no one range spans."""
         lead = inputs.lead
         has_heads = len(lead) >= 2
         batch = lead[:-1] if has_heads else lead
         batch_items = self.lead_items[:-1] if has_heads else self.lead_items
         head_item = self.lead_items[-1] if has_heads else slice(None)
-        flat = torch.arange(math.prod(batch)).reshape(batch)[tuple(map(_as_slice, batch_items))]
         heads = range(inputs.query.shape[1])[_as_slice(head_item)]
-        return _as_range(flat.reshape(-1)), heads, list(flat.shape)
+        chosen = [range(n)[_as_slice(item)] for n, item in zip(batch, batch_items, strict=True)]
+        if not chosen:  # no batch dim: the one element
+            return [range(1)], heads, []
+        strides = [math.prod(batch[d + 1 :]) for d in range(len(batch))]
+        parts: list[range] = []
+        for at in itertools.product(*chosen):  # increasing: every slice steps forward
+            f = sum(i * st for i, st in zip(at, strides, strict=True))
+            prev = parts[-1] if parts else None
+            if prev is not None and len(prev) == 1:
+                parts[-1] = range(prev[0], f + 1, f - prev[0])  # a run of two
+            elif prev is not None and f == prev[-1] + prev.step:
+                parts[-1] = range(prev.start, f + prev.step, prev.step)
+            else:
+                parts.append(range(f, f + 1))
+        return parts or [range(0)], heads, [len(r) for r in chosen]
+
+
+def _read_rows(r: rows.Rows, needs: grads.Needs | None) -> torch.Tensor:
+    """The weights of a selection r (B', H', n, m), carrying the gradient where needs
+    says so."""
+    with torch.no_grad(), no_autocast(r.inputs.query.device.type):
+        if not r.complete and rows.needs_every_key(_selected_lse(r)):
+            p = rows.dense(r._replace(keys=rows.ALL))[..., r.keys]  # such rows: read whole
+        else:
+            p = rows.dense(r)  # (B', H', n, m)
+    if needs is None:
+        return p
+    return grads.read(grads.Spec(r, grads.rows_rule(r.keys), needs, lambda: p))
 
 
 def _part(item: int | slice | torch.Tensor, device: torch.device) -> slice | torch.Tensor:
@@ -784,16 +802,6 @@ def _selected_lse(r: rows.Rows) -> torch.Tensor:
 
 def _range_slice(r: range) -> slice:
     return slice(r.start, r.stop, r.step)
-
-
-def _as_range(flat: torch.Tensor) -> range:
-    """A 1-D tensor of increasing, evenly spaced indices as a range (batch selections
-    made of ints and slices always are)."""
-    if flat.numel() == 0:
-        return range(0)
-    first = int(flat[0])
-    step = int(flat[1] - flat[0]) if len(flat) > 1 else 1
-    return range(first, first + step * len(flat), step)
 
 
 def _as_slice(index: int | slice) -> slice:
@@ -855,9 +863,10 @@ def _aligned(
                 f"heads, got {head_map!r}"
             )
     index = index.to(o.query.device)
-    mask = o.mask
-    if isinstance(mask, torch.Tensor) and mask.shape[1] > 1:
-        mask = mask.index_select(1, index)
+    tensor, structured = masks.split(o.mask)
+    if tensor is not None and tensor.shape[1] > 1:
+        tensor = tensor.index_select(1, index)
+    mask = masks.join(tensor, structured)
     sinks = None if o.sinks is None else o.sinks.index_select(1, index)
     inputs = o._replace(
         query=o.query.index_select(1, index),  # (B, Hq, L, E')

@@ -37,17 +37,14 @@ class Piece(NamedTuple):
     masked: bool  # False: every key in the span is visible to every query
 
 
-def whole(mask: torch.Tensor | masks.Mask | None, L: int, on_cpu: bool = True) -> bool:
-    """Whether the kernel takes the mask as it is, decided without reading it: no mask;
-    a mask tensor over at most one query block (decoding, short texts), whose scan
-    would cost more than the keys it could skip; a mask tensor on a GPU (its plan would
-    be read from device memory: a host sync); or a mask tensor while torch.compile
-    traces (a plan read from data cannot live in a graph, and L is not guarded on)."""
-    if mask is None:
-        return True
-    if not isinstance(mask, torch.Tensor):
-        return False
-    return not on_cpu or torch.compiler.is_compiling() or L <= BLOCK_Q
+def whole(mask: torch.Tensor | None, L: int, on_cpu: bool = True) -> bool:
+    """Whether the kernel takes a tensor mask (or none) as it is, decided without reading
+    it: no mask; a mask tensor over at most one query block (decoding, short texts),
+    whose scan would cost more than the keys it could skip; a mask tensor on a GPU (its
+    plan would be read from device memory: a host sync); or a mask tensor while
+    torch.compile traces (a plan read from data cannot live in a graph, and L is not
+    guarded on)."""
+    return mask is None or not on_cpu or torch.compiler.is_compiling() or L <= BLOCK_Q
 
 
 def pieces(inputs: Inputs) -> list[Piece] | None:
@@ -62,10 +59,8 @@ def pieces(inputs: Inputs) -> list[Piece] | None:
         return None if occ is None else plan(occ, L, S)
     mask = inputs.mask
     if torch.compiler.is_compiling() or not isinstance(mask, masks.Mask):
-        return None
+        return None  # (a tensor part goes to the kernel whole: no plan read from it)
     spans = mask.spans(L, S, BLOCK_Q, BLOCK_K)
-    if spans is not None and inputs.causal:
-        spans = masks.and_spans(spans, masks.causal("top-left").spans(L, S, BLOCK_Q, BLOCK_K))
     return None if spans is None else plan_spans(spans, L, S)
 
 
@@ -104,20 +99,17 @@ def structure(inputs: Inputs) -> torch.Tensor | None:
     """(Bm, nQ, nK) block occupancy of everything that masks these inputs (mask and
     causal flag), or None where there is no structure to use (no mask, a float mask, a
     bool tensor over at most one query block, or while torch.compile traces)."""
-    mask, L, S = inputs.mask, inputs.query.shape[2], inputs.key.shape[2]
+    L, S = inputs.query.shape[2], inputs.key.shape[2]
     if torch.compiler.is_compiling():  # a plan read from data cannot live in a graph
         return None
+    tensor, structured = masks.split(inputs.mask)
     parts = []
-    if isinstance(mask, masks.Mask):
-        parts.append(mask.blocks(L, S, BLOCK_Q, BLOCK_K))
-    elif mask is not None and mask.dtype == torch.bool:
-        if whole(mask, L):
-            return None
-        parts.append(_tensor_blocks(mask))
-    elif mask is not None:
-        return None  # additive float mask: no structure we can read cheaply
-    if inputs.causal:
-        parts.append(masks.causal("top-left").blocks(L, S, BLOCK_Q, BLOCK_K))
+    if tensor is not None:
+        if tensor.dtype != torch.bool or whole(tensor, L):
+            return None  # an additive float mask, or one block: nothing read cheaply pays
+        parts.append(_tensor_blocks(tensor))
+    if structured is not None:
+        parts.append(structured.blocks(L, S, BLOCK_Q, BLOCK_K))
     if not parts:
         return None
     occ = parts[0]
@@ -147,13 +139,13 @@ def plan(occ: torch.Tensor, L: int, S: int) -> list[Piece]:
 
 def keep(inputs: Inputs, piece: Piece) -> torch.Tensor:
     """Bool keep-mask of one piece, (B|1, H|1, q1 - q0, k1 - k0): the tile rule's window."""
-    mask = inputs.mask
-    if isinstance(mask, torch.Tensor) and mask.shape[0] > 1:
-        mask = mask[piece.batch]
+    tensor, structured = masks.split(inputs.mask)
+    if tensor is not None and tensor.shape[0] > 1:
+        tensor = tensor[piece.batch]
     L, S = inputs.query.shape[2], inputs.key.shape[2]
     rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
-    out = tile.window(mask, inputs.causal, L, S, rows, keys, inputs.query.device)
-    if isinstance(inputs.mask, masks.Mask) and out.shape[0] > 1:
+    out = tile.window(masks.join(tensor, structured), L, S, rows, keys, inputs.query.device)
+    if structured is not None and out.shape[0] > 1:  # a structured mask's batch
         out = out[piece.batch]
     return out
 

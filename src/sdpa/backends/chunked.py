@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from sdpa import settings, tile
+from sdpa import tile
 from sdpa.backends.base import Backend
 from sdpa.backends.reference import Reference
 from sdpa.inputs import Inputs, sink_rows
@@ -24,17 +24,18 @@ _REFERENCE = Reference()
 
 
 def _keys_seen(inputs: Inputs, r1: int) -> int:
-    """How many leading keys rows < r1 can see: r1 under top-left causality (query p
-    sees keys j <= p), else all S. Decided from the mask's kind, no scan."""
-    S = inputs.key.shape[2]
-    return min(S, r1) if inputs.causal or inputs.causal_only else S
+    """How many leading keys rows < r1 can see: r1 where top-left causality is part of
+    the mask (query p sees keys j <= p), else all S. Decided from the mask's kind, no
+    scan."""
+    L, S = inputs.query.shape[2], inputs.key.shape[2]
+    structured = inputs.structured
+    return min(S, r1) if structured is not None and structured.within_top_left(L, S) else S
 
 
 def _step(inputs: Inputs) -> int:
-    """Query rows per chunk: scores, weights and a mask row in float32 within chunk_bytes."""
+    """Query rows per chunk: scores, weights and a mask row within chunk_bytes."""
     B, Hq, _, _ = inputs.query.shape
-    row_bytes = max(1, B * Hq * inputs.key.shape[2]) * 4 * 3
-    return max(1, settings.get().chunk_bytes // row_bytes)
+    return tile.chunk_rows(B * Hq, inputs.key.shape[2], inputs.compute_dtype, copies=3)
 
 
 class Chunked(Backend):
@@ -55,28 +56,24 @@ class Chunked(Backend):
         q_all, k, v = inputs.query, inputs.key, inputs.value
         L, S = q_all.shape[2], k.shape[2]
         step = _step(inputs)
-        grad = tile._grad(q_all, k, v, inputs.sinks) or (
-            isinstance(inputs.mask, torch.Tensor) and tile._grad(inputs.mask)
-        )
+        tensor = inputs.tensor_mask
+        grad = tile._grad(q_all, k, v, inputs.sinks) or (tensor is not None and tile._grad(tensor))
         cd = inputs.compute_dtype
         if not grad:
             k, v = k.to(cd), v.to(cd)
-        mask, causal = (None, True) if inputs.causal_only else (inputs.mask, inputs.causal)
-        diagonal = not grad and causal and mask is None  # rows r0:r1 see every key before r0
+        mask = inputs.mask
+        diagonal = not grad and inputs.causal_only  # rows r0:r1 see every key before r0
         scoring = tile.Scoring.of(inputs)
         outs, lses = [], []
-        for r0 in range(0, L, step):
-            r1 = min(L, r0 + step)
-            s1 = _keys_seen(inputs, r1)
-            k0 = min(r0, s1) if diagonal else 0  # keys before k0: all visible
-            window = tile.window(mask, causal, L, S, slice(r0, r1), slice(k0, s1), q_all.device)
-            s = tile.scores(q_all[:, :, r0:r1], k[:, :, :s1], scoring)  # (B, Hq, r, s1)
-            if k0:
-                tile.exclude(s[..., k0:], window)  # in place, on the diagonal keys' view
-            else:
-                s = tile.exclude(s, window)
-            p, lse = tile.finish(s, sink_rows(inputs.sinks, slice(r0, r1)))
-            outs.append(tile.values(p, v[:, :, :s1]).to(q_all.dtype))  # (B, Hq, r, Ev)
+        for rows in tile.row_chunks(L, step):
+            s1 = _keys_seen(inputs, rows.stop)
+            k0 = min(rows.start, s1) if diagonal else 0  # keys before k0: all visible
+            window = tile.window(mask, L, S, rows, slice(k0, s1), q_all.device)
+            out, lse, _ = tile.attend(
+                q_all[:, :, rows], k[:, :, :s1], v[:, :, :s1], window, scoring,
+                sink_rows(inputs.sinks, rows), from_key=k0,
+            )  # fmt: skip
+            outs.append(out)  # (B, Hq, r, Ev)
             lses.append(lse)
         if len(outs) == 1:
             return outs[0], lses[0]

@@ -185,10 +185,9 @@ def _math(q, k, v, bias, causal, scale):
     """The listing in plain torch by the tile rule, float32 softmax for 16-bit inputs;
     differentiable."""
     L, S = q.shape[2], k.shape[2]
-    window = tile.window(bias, causal, L, S, device=q.device)  # (.., L, S)
-    s = tile.exclude(tile.scores(q, k, tile.Scoring(scale)), window)  # (B, H, L, S)
-    p, lse = tile.finish(s)
-    return tile.values(p, v).to(q.dtype), lse  # (B, H, L, D), (B, H, L)
+    window = tile.window(masks.and_top_left(bias) if causal else bias, L, S, device=q.device)
+    out, lse, _ = tile.attend(q, k, v, window, tile.Scoring(scale))
+    return out, lse  # (B, H, L, D), (B, H, L)
 
 
 _RUN = {FLASH: _flash, EFFICIENT: _efficient, CUDNN: _cudnn}
@@ -250,7 +249,6 @@ def kernel(
         picked = EFFICIENT
     out, lse = _run(picked, q, k, v, bias, causal, scale)
     lse = _lse(lse, B, H, L)
-    if dead is not None:
-        out = torch.where(dead, out.new_zeros(()), out)
-        lse = torch.where(dead[..., 0], lse.new_zeros(()), lse)
+    if dead is not None:  # the edge convention, whatever the op gave those rows
+        out, lse = tile.zero_dead(out, lse, dead)
     return out, lse

@@ -15,14 +15,15 @@ call's output and LSE exactly (`tile.add_sinks`); a softcap cannot run here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from sdpa import masks, tile
 from sdpa.backends import aten, blocks, cuda
 from sdpa.backends.base import Backend
 from sdpa.backends.reference import Reference
+from sdpa.errors import NotSupportedError
 from sdpa.inputs import Inputs, sink_rows
 
 
@@ -46,39 +47,36 @@ def _cpu_kernel(
 
 
 class _CpuSinks(torch.autograd.Function):
-    """torch's CPU flash kernel with sinks, differentiable in q, k, v and the sinks.
+    """torch's CPU flash kernel with sinks, differentiable in q, k and v.
 
     Forward: the kernel's (out, lse), the sink merged on top (tile.add_sinks: out' =
     out * sigma, sigma = exp(lse - lse'), lse' = logaddexp(lse, z)). Backward: the
     kernel's own backward given out' and lse' is exact, because the sink's value is 0
-    (it adds nothing to dP and D_i = dO_i . out'_i); the sink's gradient is
-    -sum_i p_sink_i D_i, p_sink_i = exp(z - lse'_i), with D_i = sigma_i (dO_i . out_i)
-    in float32 from the kernel's own output (one rounding, not two, in 16-bit)."""
+    (it adds nothing to dP and D_i = dO_i . out'_i). The sinks' own gradient is taken
+    apart, for every engine alike (sdpa.backends.run): here they are constants."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, sinks):
         raw, lse = aten.CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         out, lse_s = tile.add_sinks(raw, lse, sinks.detach())
-        sigma = torch.exp(lse - lse_s)  # (B, Hq, L), float32
-        ctx.save_for_backward(q, k, v, mask, raw, out, lse_s, sigma, sinks)
+        ctx.save_for_backward(q, k, v, mask, out, lse_s)
         ctx.causal, ctx.scale = causal, scale
         ctx.mark_non_differentiable(lse_s)
         return out, lse_s
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, mask, raw, out, lse, sigma, sinks = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = aten.CPU_FLASH_BACKWARD(
-            dout, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale
-        )
-        dsinks = None
         if ctx.needs_input_grad[6]:
-            D = sigma * (dout.to(lse.dtype) * raw.to(lse.dtype)).sum(-1)  # (B, Hq, L)
-            dsinks = -(torch.exp(sinks - lse) * D)  # (B, Hq, L)
-            if sinks.shape[-1] == 1:  # one logit per head
-                dsinks = dsinks.sum(-1, keepdim=True)  # (B, Hq, 1)
-        return dq, dk, dv, None, None, None, dsinks
+            raise NotSupportedError(
+                "internal: the fused kernel was given sinks that require grad; their "
+                "gradient is taken by sdpa.backends.run, which hands the engine constants"
+            )
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        dq, dk, dv = aten.CPU_FLASH_BACKWARD(
+            dout.contiguous(), q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask,
+            scale=ctx.scale,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None
 
 
 def _cuda_kernel(q, k, v, mask, causal, scale, sinks=None):
@@ -103,12 +101,7 @@ def _prepare(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     align = None if q.is_cpu else _HEAD_ALIGN.get(q.device.type)
     if align is not None:
         D = -(-D // align) * align
-    if E < D:
-        q = F.pad(q, (0, D - E))  # (B, Hq, L, D)
-        k = F.pad(k, (0, D - E))  # (B, Hkv, S, D)
-    if Ev < D:
-        v = F.pad(v, (0, D - Ev))  # (B, Hkv, S, D)
-    return q, k, v
+    return aten.pad_to(q, D), aten.pad_to(k, D), aten.pad_to(v, D)  # (B, H, X, D) each
 
 
 def _run_pieces(
@@ -138,31 +131,76 @@ def _one_masked_call(pieces: list[blocks.Piece], S: int) -> bool:
     return len(pieces) == 1 and pieces[0].masked and (pieces[0].k0, pieces[0].k1) == (0, S)
 
 
+class Plan(NamedTuple):
+    """Which kernel calls the fused backend makes for some inputs: the one decision that
+    `run` executes, `path` renders (served_by, sdpa.explain) and the fast lane tests.
+
+    call: "empty" (no score to compute: zeros), "one" (one kernel call over every row
+    and key) or "pieces" (the block plan's calls). mask: for "one", what the call is
+    given: None, a tensor, or a structured part to materialise (whole: "with the mask
+    whole"). causal: the kernel's own causal path (top-left). pieces: for "pieces"."""
+
+    call: str
+    mask: torch.Tensor | masks.Mask | masks.TensorAnd | None = None
+    causal: bool = False
+    pieces: list[blocks.Piece] | None = None
+    whole: bool = False  # a structured part materialised for the one call
+
+    @property
+    def direct(self) -> bool:
+        """One kernel call with the mask as it is (nothing materialised): the fast lane."""
+        return self.call == "one" and not self.whole
+
+
+_UNMASKED, _CAUSAL = Plan("one"), Plan("one", None, True)
 _REFERENCE = Reference()
+
+
+def plan(inputs: Inputs) -> Plan:
+    """The kernel calls for `inputs`: the common calls (no mask, causal=True, a tensor
+    mask the kernel takes whole, with or without causal=True) decided in O(1) from the
+    mask's type and shapes; the rest from the block plan (read on the host on CPU, from
+    the masks' host-side spans elsewhere)."""
+    mask = inputs.mask
+    if mask is None:
+        return _UNMASKED if not inputs.no_work else Plan("empty")
+    if inputs.no_work:  # torch's kernels crash on 0 heads, queries or keys
+        return Plan("empty")
+    L, S = inputs.query.shape[2], inputs.key.shape[2]
+    if mask is masks.TOP_LEFT:
+        return _CAUSAL
+    on_cpu = inputs.query.is_cpu
+    rest, causal = masks.causal_flag(mask, L, S)  # top-left causality as the kernel's flag
+    tensor = isinstance(rest, torch.Tensor)
+    if rest is None or (tensor and blocks.whole(rest, L, on_cpu)):
+        return Plan("one", rest, causal)  # no block to skip
+    pieces = blocks.pieces(inputs)
+    if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
+        # one call (a plan with no kernel call at all would cut the output from autograd)
+        if tensor:
+            return Plan("one", rest, causal)
+        return Plan("one", mask, False, whole=True)
+    return Plan("pieces", pieces=pieces)
 
 
 class Fused(Backend):
     name = "fused"
 
     def path(self, inputs: Inputs) -> str:
-        """The decisions of `run` and `forward`, in words (re-planned from the inputs)."""
-        on_cpu = inputs.query.is_cpu
-        op = "torch's CPU flash kernel" if on_cpu else "torch's fused CUDA op"
+        """What `run` does with these inputs, in words (from `plan`)."""
+        op = "torch's CPU flash kernel" if inputs.query.is_cpu else "torch's fused CUDA op"
         sinks = ", sinks merged on top" if inputs.sinks is not None else ""
-        if inputs.no_work:
+        how = plan(inputs)
+        if how.call == "empty":
             return "no score to compute: zeros"
-        L, S = inputs.query.shape[2], inputs.key.shape[2]
-        if blocks.whole(inputs.mask, L, on_cpu):
-            masked = " with the mask" if inputs.mask is not None else ""
-            causal = " on its own causal path" if inputs.causal else ""
-            return f"one call of {op}{masked}{causal}{sinks}"
-        if inputs.causal_only:
-            return f"one call of {op} on its own causal path{sinks}"
-        pieces = blocks.pieces(inputs)
-        if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
+        if how.call == "pieces":
+            calls = sum(p.k1 > p.k0 for p in how.pieces)
+            return f"block plan: {calls} calls of {op} on the visible key spans{sinks}"
+        if how.whole:
             return f"one call of {op} with the mask whole{sinks}"
-        calls = sum(p.k1 > p.k0 for p in pieces)
-        return f"block plan: {calls} calls of {op} on the visible key spans{sinks}"
+        masked = " with the mask" if how.mask is not None else ""
+        causal = " on its own causal path" if how.causal else ""
+        return f"one call of {op}{masked}{causal}{sinks}"
 
     def not_supported_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
@@ -202,8 +240,8 @@ class Fused(Backend):
                 f"sinks with gradients on {device} (the sink correction is differentiated "
                 f"through the kernel's backward on CPU only)"
             )
-        mask = inputs.mask
-        if isinstance(mask, torch.Tensor) and mask.requires_grad and torch.is_grad_enabled():
+        tensor = inputs.tensor_mask
+        if tensor is not None and tensor.requires_grad and torch.is_grad_enabled():
             reasons.append(
                 "a float mask that requires grad (torch's fused kernel has no gradient for "
                 "attn_mask)"
@@ -211,9 +249,9 @@ class Fused(Backend):
         return reasons
 
     def run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """forward, with the calls made most (no sinks, one head size, unit last
-        strides; on CPU no mask or a mask over at most one query block, on CUDA no mask)
-        sent straight to the kernel, decided from shapes in well under a microsecond.
+        """The plan's calls, with a direct plan on the calls made most (no sinks, one head
+        size, unit last strides; on CUDA no mask) sent straight to the kernel, decided
+        from shapes in well under a microsecond.
 
         On CPU that is torch's own binding of the LSE-returning op, which costs what
         F.scaled_dot_product_attention costs (0.96-1.00x at every decoding shape of
@@ -221,59 +259,49 @@ class Fused(Backend):
         with a bool mask less (its additive form cached: 0.79-0.99x F.sdpa given the
         bool mask, which converts it on every call): so the output never comes from
         F.sdpa with the LSE left for later (docs/guide/gpu-lean-entry.md)."""
-        q, k, v, mask, causal, scale, _, _, _, sinks = inputs
-        if sinks is None:
+        q, k, v, _, scale = inputs[:5]
+        how = plan(inputs)
+        if inputs.sinks is None and how.direct:
             B, H, L, E = q.size()
             _, _, S, Ev = v.size()
-            if H.__class__ is int and H and L and E and S and E == Ev:  # sizes known
+            if H.__class__ is int and E == Ev and E > 1:  # sizes known
                 plain = (  # every size a plain int (is_contiguous would guard on a traced one)
                     B.__class__ is int and L.__class__ is int and S.__class__ is int
-                    and E.__class__ is int and E > 1
+                    and E.__class__ is int
                 )  # fmt: skip
                 if (plain and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or (
                     q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
                 ):  # (unit last strides: read from contiguity where sizes are plain ints)
                     if q.is_cpu:
-                        if mask is None:
-                            out, lse = aten.CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
-                            return out, lse, None
-                        if blocks.whole(mask, L):
-                            out, lse = aten.CPU_FLASH(
-                                q, k, v, 0.0, causal, attn_mask=tile.additive(mask, q.dtype),
-                                scale=scale,
-                            )  # fmt: skip
-                            return out, lse, None
-                    elif mask is None and E % cuda.HEAD_ALIGN == 0 and q.is_cuda:
-                        out, lse = cuda.kernel(q, k, v, None, causal, scale)
+                        mask = how.mask
+                        if mask is not None:
+                            mask = tile.additive(mask, q.dtype)  # (cached for a bool mask)
+                        out, lse = aten.CPU_FLASH(
+                            q, k, v, 0.0, how.causal, attn_mask=mask, scale=scale
+                        )
                         return out, lse, None
-        out, lse = self.forward(inputs)
+                    if how.mask is None and E % cuda.HEAD_ALIGN == 0 and q.is_cuda:
+                        out, lse = cuda.kernel(q, k, v, None, how.causal, scale)
+                        return out, lse, None
+        out, lse = self.forward(inputs, how)
         return out, lse, None
 
-    def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        if inputs.no_work:  # torch's kernels crash on 0 heads, queries or keys
+    def forward(self, inputs: Inputs, how: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        how = plan(inputs) if how is None else how
+        if how.call == "empty":
             return _REFERENCE.forward(inputs)  # nothing to compute: zeros, differentiable
         on_cpu = inputs.query.is_cpu
         kernel = _cpu_kernel if on_cpu else _KERNELS[inputs.query.device.type]
         q, k, v = _prepare(inputs)
         Ev = inputs.value.shape[-1]
-        mask = inputs.mask
-        L, S = q.shape[2], k.shape[2]
-        if blocks.whole(mask, L, on_cpu):  # no block to skip: one call, causal or not
-            # (the CPU kernel takes a float mask, converted once and cached; the CUDA
-            # glue takes a bool mask as it is, with no cache keyed on device pointers)
-            mask = tile.additive(mask, q.dtype) if on_cpu else mask
-            out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
-            return (out if out.shape[-1] == Ev else out[..., :Ev]), lse
-        if inputs.causal_only:
-            out, lse = kernel(q, k, v, None, True, inputs.scale, inputs.sinks)  # its own causal
+        if how.call == "pieces":
+            out, lse = _run_pieces(inputs, how.pieces, q, k, v, kernel)
             return out[..., :Ev], lse
-        pieces = blocks.pieces(inputs)
-        if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
-            # (a plan with no kernel call at all would cut the output from autograd)
-            if isinstance(mask, masks.Mask):
-                mask = masks.as_4d(mask.materialize(L, S, q.device, max_bytes=None))
-            mask = tile.additive(mask, q.dtype) if on_cpu else mask
-            out, lse = kernel(q, k, v, mask, inputs.causal, inputs.scale, inputs.sinks)
-        else:
-            out, lse = _run_pieces(inputs, pieces, q, k, v, kernel)
-        return out[..., :Ev], lse
+        mask = how.mask
+        if how.whole:  # (B|1, H|1, L, S): the structured part materialised, the tensor ANDed
+            mask = tile.window(mask, q.shape[2], k.shape[2], device=q.device)
+        # (the CPU kernel takes a float mask, converted once and cached; the CUDA glue
+        # takes a bool mask as it is, with no cache keyed on device pointers)
+        mask = tile.additive(mask, q.dtype) if on_cpu else mask
+        out, lse = kernel(q, k, v, mask, how.causal, inputs.scale, inputs.sinks)
+        return (out if out.shape[-1] == Ev else out[..., :Ev]), lse

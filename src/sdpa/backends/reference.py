@@ -10,7 +10,6 @@ float mask and the sinks), and the only backend with dropout on CPU.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from sdpa import tile
 from sdpa.backends.base import Backend
@@ -29,10 +28,8 @@ class Reference(Backend):
 
     def forward(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = inputs.query, inputs.key, inputs.value
-        L, S = q.shape[2], k.shape[2]
-        window = tile.window(inputs.mask, inputs.causal, L, S, device=q.device)  # (.., L, S)
-        s = tile.exclude(tile.scores(q, k, tile.Scoring.of(inputs)), window)  # (B, Hq, L, S)
-        p, lse = tile.finish(s, inputs.sinks)
-        if inputs.dropout_p > 0:
-            p = F.dropout(p, inputs.dropout_p, training=True)
-        return tile.values(p, v).to(q.dtype), lse  # (B, Hq, L, Ev), (B, Hq, L)
+        window = tile.window(inputs.mask, q.shape[2], k.shape[2], device=q.device)  # (.., L, S)
+        out, lse, _ = tile.attend(
+            q, k, v, window, tile.Scoring.of(inputs), inputs.sinks, dropout_p=inputs.dropout_p
+        )
+        return out, lse  # (B, Hq, L, Ev), (B, Hq, L)

@@ -37,9 +37,7 @@ def fits(inputs: Inputs) -> bool:
     s = settings.get()
     if not known(B * Hq * L * S <= s.small_weights) or not known(L * S <= s.small_head):
         return False
-    return known(L * S <= s.small_causal) or not (
-        inputs.causal or isinstance(inputs.mask, masks.Mask)
-    )
+    return known(L * S <= s.small_causal) or inputs.structured is None
 
 
 def one_product(inputs: Inputs) -> bool:
@@ -57,29 +55,32 @@ def one_product(inputs: Inputs) -> bool:
 def probabilities(inputs: Inputs) -> torch.Tensor:
     """The weights p = softmax(scale * q k^T + mask), (B, Hq, L, S) in the compute dtype,
     by the tile rule; rows that see no key are 0."""
-    q, k, mask = inputs.query, inputs.key, inputs.mask
-    L, S = q.shape[2], k.shape[2]
-    s = tile.scores(q, k, tile.Scoring.of(inputs))  # (B, Hq, L, S), one product
-    causal = inputs.causal
-    if mask is not None and mask.__class__ is not torch.Tensor:  # a structured mask
-        if inputs.causal_only:
-            mask, causal = None, True
-        else:
-            mask = tile.window(mask, False, L, S, device=s.device)  # (Bm, 1, L, S) bool
-    # masks are added (0 / -inf): a broadcast masked_fill_ is ~8x slower on CPU
-    if causal:  # top-left
-        s = tile.exclude(s, tile.causal_bias(L, S, s.dtype, s.device))
-    s = tile.exclude(s, tile.additive(mask, s.dtype))  # a bool mask converted once (cached)
-    # no mask (or top-left causal only): every row sees a key, known without a look
-    return tile.finish(s, lse=False, every_row_sees_a_key=mask is None)[0]
+    return _attend(inputs, None)[1]
 
 
 def probabilities_and_output(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Hq, L, Ev) in the input dtype, p (B, Hq, L, S) in the compute dtype)."""
-    p = probabilities(inputs)
-    out = tile.values(p, inputs.value)
-    dtype = inputs.query.dtype
-    return (out if dtype is p.dtype else out.to(dtype)), p
+    return _attend(inputs, inputs.value)
+
+
+def _attend(inputs: Inputs, v: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """tile.attend on the whole call, its window in additive form: top-left causality
+    from the cached causal bias, a bool mask converted once (cached), both added (a
+    broadcast masked_fill_ is ~8x slower on CPU)."""
+    q, k = inputs.query, inputs.key
+    L, S = q.shape[2], k.shape[2]
+    mask, causal = masks.causal_flag(inputs.mask, L, S)
+    cd = inputs.compute_dtype
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a structured mask
+        mask = tile.window(mask, L, S, device=q.device)  # (Bm, 1, L, S) bool
+    window = tile.additive(mask, cd)
+    if causal:  # top-left
+        window = masks.combine(tile.causal_bias(L, S, cd, q.device), window)
+    # no mask (or top-left causal only): every row sees a key, known without a look
+    out, _, p = tile.attend(
+        q, k, v, window, tile.Scoring.of(inputs), lse=False, every_row_sees_a_key=mask is None
+    )
+    return out, p
 
 
 def _over_limits(inputs: Inputs) -> str:
@@ -94,7 +95,7 @@ def _over_limits(inputs: Inputs) -> str:
     else:
         over = (
             f"L*S = {L * S} scores per head under "
-            f"{'causal' if inputs.causal else 'structured'} masking, over small_causal = "
+            f"structured masking (causal=True among them), over small_causal = "
             f"{s.small_causal}"
         )
     return f"{over} (sdpa.settings): the fused kernel is faster there"

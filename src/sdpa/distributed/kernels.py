@@ -8,23 +8,17 @@ lse (B, Hq, r) float32 for 16-bit inputs. causal: top-left within the block.
 
 On CPU, torch's fused kernel (`_scaled_dot_product_flash_attention_for_cpu` and its
 registered backward). Elsewhere (CUDA with NCCL, ...), or where this torch lacks those
-private ops, the same math in plain torch ops (chunks of `math_chunk_bytes` of scores,
-see sdpa.settings).
+private ops, the same math by the tile rule (tile.attend, tile.softmax_grad) in row
+chunks of the settings' chunk_bytes (tile.chunk_rows).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from sdpa import settings, tile
+from sdpa import masks, tile
 from sdpa.backends import aten
 from sdpa.inputs import compute_dtype
-
-
-def _pad(t: torch.Tensor, D: int) -> torch.Tensor:
-    """Zero features up to head size D: they change no score and no kept column."""
-    return t if t.shape[-1] == D else F.pad(t, (0, D - t.shape[-1]))
 
 
 def forward(q, k, v, bias, causal: bool, scale: float):
@@ -33,9 +27,8 @@ def forward(q, k, v, bias, causal: bool, scale: float):
         return _math_forward(q, k, v, bias, causal, scale)
     E, Ev = q.shape[-1], v.shape[-1]
     D = max(E, Ev)  # the fused kernel takes one head size
-    out, lse = aten.CPU_FLASH(
-        _pad(q, D), _pad(k, D), _pad(v, D), 0.0, causal, attn_mask=bias, scale=scale
-    )
+    q, k, v = (aten.pad_to(t, D) for t in (q, k, v))
+    out, lse = aten.CPU_FLASH(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
     return out[..., :Ev], lse
 
 
@@ -45,36 +38,36 @@ def backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
         return _math_backward(dout, q, k, v, out, lse, bias, causal, scale)
     E, Ev = q.shape[-1], v.shape[-1]
     D = max(E, Ev)
+    dout, q, k, v, out = (aten.pad_to(t, D) for t in (dout, q, k, v, out))
     dq, dk, dv = aten.CPU_FLASH_BACKWARD(
-        _pad(dout, D), _pad(q, D), _pad(k, D), _pad(v, D), _pad(out, D), lse,
-        0.0, causal, attn_mask=bias, scale=scale,
-    )  # fmt: skip
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+    )
     return dq[..., :E], dk[..., :E], dv[..., :Ev]
 
 
-def _chunks(q: torch.Tensor, c: int):
-    """Row slices of q (B, Hq, r, D) whose float32 scores against c keys fit the
-    settings' math_chunk_bytes."""
+def _chunks(q: torch.Tensor, c: int) -> list[slice]:
+    """Row slices of q (B, Hq, r, D) whose scores against c keys fit the settings'
+    chunk_bytes (tile.chunk_rows)."""
     B, H, r, _ = q.shape
-    step = max(1, settings.get().math_chunk_bytes // max(1, B * H * c * 4))
-    return [slice(r0, min(r, r0 + step)) for r0 in range(0, r, step)]
+    return tile.row_chunks(r, tile.chunk_rows(B * H, c, compute_dtype(q.dtype)))
 
 
-def _scores(q, k, bias, causal, scale, rows: slice):
-    """Scores (B, Hq, n, c) of query rows `rows` by the tile rule, float32 (float64 for
-    float64 inputs), -inf where excluded; bias (Bm, 1, r, c) and top-left causality."""
+def _window(q, k, bias, causal, rows: slice):
+    """The mask of query rows `rows` over this block's keys: bias (Bm, 1, r, c) and
+    top-left causality."""
     r, c = q.shape[2], k.shape[2]
-    window = tile.window(bias, causal, r, c, rows, slice(None), q.device)
-    return tile.exclude(tile.scores(q[:, :, rows], k, tile.Scoring(scale)), window)
+    mask = masks.and_top_left(bias) if causal else bias
+    return tile.window(mask, r, c, rows, slice(None), q.device)
 
 
 def _math_forward(q, k, v, bias, causal, scale):
     cd = compute_dtype(q.dtype)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=cd, device=q.device)  # (B, Hq, r)
+    scoring = tile.Scoring(scale)
     for rows in _chunks(q, k.shape[2]):
-        p, lse[:, :, rows] = tile.finish(_scores(q, k, bias, causal, scale, rows))
-        out[:, :, rows] = tile.values(p, v).to(q.dtype)
+        window = _window(q, k, bias, causal, rows)
+        out[:, :, rows], lse[:, :, rows], _ = tile.attend(q[:, :, rows], k, v, window, scoring)
     return out, lse
 
 
@@ -86,14 +79,17 @@ def _math_backward(dout, q, k, v, out, lse, bias, causal, scale):
     dq = torch.empty(q.shape, dtype=cd, device=q.device)
     dk = torch.zeros(kr.shape, dtype=cd, device=q.device)
     dv = torch.zeros(vr.shape, dtype=cd, device=q.device)
+    scoring = tile.Scoring(scale)
     for rows in _chunks(q, k.shape[2]):
-        s = _scores(q, k, bias, causal, scale, rows)  # this block's share of the rows' keys
+        s = tile.scores(q[:, :, rows], k, scoring)  # this block's share of the rows' keys
+        s = tile.exclude(s, _window(q, k, bias, causal, rows))
         p = tile.rebuild(s, lse[:, :, rows])  # exp(s - global lse)
         do = dout[:, :, rows].to(cd)  # (B, Hq, n, D)
         dv += torch.matmul(p.mT, do)
         dp = torch.matmul(do, vr.mT)  # (B, Hq, n, c)
-        delta = (do * out[:, :, rows].to(cd)).sum(dim=-1, keepdim=True)  # (B, Hq, n, 1)
-        ds = p * (dp - delta) * scale
+        delta = (do * out[:, :, rows].to(cd)).sum(dim=-1, keepdim=True)  # D = dO . O
+        ds = tile.softmax_grad(p, p * dp, delta)[0]  # dS = P (dP - D)
+        ds = tile.raw_grad(ds, s, scoring)  # (scale only: no softcap reads s, now p)
         dq[:, :, rows] = torch.matmul(ds, kr)
         dk += torch.matmul(ds.mT, q[:, :, rows].to(cd))
 

@@ -55,7 +55,7 @@ def calls(
 ) -> Iterator[Call]:
     """The kernel calls for one (query shard, key shard) pair; each (row, column) the
     mask keeps is covered exactly once."""
-    top_left = masks.causal("top-left")
+    top_left = masks.TOP_LEFT
     for qr in q_runs:
         for kr in k_runs:
             rel = relation(qr, kr, causal)
@@ -71,9 +71,10 @@ def calls(
 def _masked(qr: Run, kr: Run, rule: masks.Mask, L: int, S: int, device) -> Iterator[Call]:
     k_pos = torch.arange(kr.start, kr.start + kr.length, device=device)
     # the settings' mask_chunk_bytes: 1 byte of keep + 4 of bias per entry
-    step = max(1, settings.get().mask_chunk_bytes // (5 * kr.length))
-    for r0 in range(0, qr.length, step):
-        r1 = min(qr.length, r0 + step)
+    budget = settings.get().mask_chunk_bytes
+    step = tile.chunk_rows(1, kr.length, torch.bool, copies=5, budget=budget)
+    for chunk in tile.row_chunks(qr.length, step):
+        r0, r1 = chunk.start, chunk.stop
         q_pos = torch.arange(qr.start + r0, qr.start + r1, device=device)
         keep = rule.keep(q_pos, k_pos, L, S)  # (Bm, r, c)
         seen = keep.any(dim=0).any(dim=0).nonzero()  # key columns some row keeps

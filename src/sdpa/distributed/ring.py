@@ -112,8 +112,7 @@ def _ring_forward(setup: _Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                 qc[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols],
                 plan.bias(c.keep, cd), c.causal, setup.scale,
             )  # fmt: skip
-            if c.alive is not None:  # rows that saw no key here: lse 0 from the kernel
-                lse = lse.masked_fill(~c.alive[:, None], -torch.inf)
+            lse = tile.unsettled(lse, c.alive)  # rows that saw no key here: -inf to merge
             _merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
         shards.finish(works, step, "forward")
     lse = tile.settle(acc_lse)  # rows that saw no key anywhere: lse 0
@@ -280,7 +279,7 @@ def ring_attention(
     setup = _Setup(ring, q.shape[2], k.shape[2], mask, bool(causal), inputs.scale, layout)
     out, lse = _RingFunction.apply(q, k, v, setup)  # (B, Hq, n, Ev), (B, Hq, n)
     out = out.reshape(*inputs.lead, q.shape[2], v.shape[-1])  # (..., n, Ev)
-    rule = masks.causal("top-left") if causal else None
+    rule = masks.TOP_LEFT if causal else None
     if mask is not None:
         rule = mask if rule is None else mask & rule
     weights = RingWeights(ring, query, key, lse, inputs.lead, rule, inputs.scale, layout)

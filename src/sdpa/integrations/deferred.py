@@ -20,6 +20,16 @@ answers itself, outside a forward (a cached pattern):
     p.amax(dim=-1), p.topk(k), p.entropy(), p.lse, p.weights (AttentionWeights),
     p.full(max_bytes=) (dense), .detach(), .to(device / dtype), torch.stack([...])
 
+In-place ops are eager's too. One the intercept models (s += bias, s *= scale,
+masked_fill_ with a masking fill) is recorded on the tensor itself, so every holder of
+it sees it (a helper `def add_mask_(s, m): s += m`); any other first turns the tensor,
+and every alias of it (a detach, a lazy view), into eager's dense values (Dense), within
+the budget; past it the op is refused, naming it and the line of code that applied it.
+A view eager code takes of deferred values (s.transpose(...), s[:, 1:]) shares them: a
+write through it reaches the tensor, as on eager. Fills that are values (NaN, +inf,
+finite) are not masks, and a mask or bias that broadcasts the scores to a larger shape
+gives that shape.
+
 Shapes: q (B, H, L, D), kt (B, H, D, S) (the keys transposed, as eager multiplies
 them), scores and patterns (B, H, L, S); B: batch, H: query heads (key heads already
 repeated by the eager code), L: queries, S: keys. Query rows that see no key: eager
@@ -32,7 +42,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
+import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -42,7 +55,13 @@ from torch.overrides import TorchFunctionMode
 
 from sdpa import masks
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
-from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
+from sdpa.errors import (
+    NotSupportedError,
+    SdpaTypeError,
+    SdpaValueError,
+    StaleWeightsError,
+    WeightsTooLargeError,
+)
 from sdpa.functional import attention
 from sdpa.weights import AttentionWeights
 
@@ -118,11 +137,45 @@ def _property(func: Callable) -> str | None:
     return getattr(getattr(func, "__self__", None), "__name__", None)
 
 
+_AUGMENTED = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "and", "or",
+               "xor", "lshift", "rshift", "matmul")
+)  # fmt: skip
+_INPLACE: dict[object, bool] = {}  # func -> whether it changes its first argument
+
+
 def _inplace(func: Callable) -> bool:
+    """Whether func changes its first argument in place: add_, masked_fill_, the augmented
+    assignments (s += m reaches here as add_), __setitem__."""
+    try:
+        return _INPLACE[func]
+    except (KeyError, TypeError):
+        name = getattr(func, "__name__", "")
+        got = (
+            name == "__setitem__"
+            or name in _AUGMENTED
+            or (name.endswith("_") and not name.endswith("__"))
+        )
+        with contextlib.suppress(TypeError):
+            _INPLACE[func] = got
+        return got
+
+
+def _out_of_place(func: Callable) -> Callable | None:
+    """The out-of-place form of an in-place op (add_, __iadd__ -> add, __add__), else None."""
     name = getattr(func, "__name__", "")
-    return name == "__setitem__" or (
-        (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
-    )
+    if name in _AUGMENTED:
+        base = "__" + name[3:]
+    elif name.endswith("_") and not name.endswith("__"):
+        base = name[:-1]
+    else:
+        return None
+    for owner in (T, torch):
+        found = getattr(owner, base, None)
+        if found is not None:
+            return found
+    return None
 
 
 def _number(x: object) -> float | None:
@@ -278,13 +331,23 @@ class Node:
         return self.kind == "pattern" and not self.edits and self.dead == "sdpa"
 
     def check_fresh(self) -> None:
+        """Refuse where a tensor the recorded ops used (q, k, a mask) changed in place
+        since its use: eager computed with the values before the change."""
         now = tuple(t._version for t in self._watched())
-        if now != self.versions:
+        if now == self.versions:
+            return
+        if in_forward():
             raise StaleWeightsError(
-                "a tensor this deferred attention pattern was computed from (q, k or a "
-                "mask) changed in place after the forward; read the pattern before the "
-                "update, or pass a clone"
+                "a tensor these deferred attention scores were computed from (q, k or a "
+                "mask) changed in place after the attention code used it; eager computed "
+                "with its values before the change, which sdpa did not keep: change a "
+                "clone of it, or change it before its use"
             )
+        raise StaleWeightsError(
+            "a tensor this deferred attention pattern was computed from (q, k or a "
+            "mask) changed in place after the forward; read the pattern before the "
+            "update, or pass a clone"
+        )
 
     def _watched(self) -> Iterator[T]:
         if self.q is None:
@@ -303,6 +366,35 @@ class Node:
 def _versions(q: T, kt: T, ops: tuple[Op, ...]) -> tuple:
     probe = Node("scores", (), q.dtype, q.device, q=q, kt=kt, ops=ops)
     return tuple(t._version for t in probe._watched())
+
+
+@dataclass(frozen=True, eq=False)
+class Dense:
+    """A deferred tensor that became eager's own tensor `t`: an op changed it (or a view
+    eager code took of its values) in place. Every op runs on t; views of t share it."""
+
+    kind: str  # what it was: scores, pattern, a Marker's kind, stacked
+    t: T
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.t.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.t.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.t.device
+
+
+def _frozen(a: object) -> object:
+    """a as a recorded op or mask term keeps it: a deferred Marker as its (immutable) node,
+    so that changing that tensor in place later does not change what was recorded."""
+    if isinstance(a, Deferred) and isinstance(a._node, Marker):
+        return a._node
+    return a
 
 
 # ---- selections: which lead entries and rows a read wants ----
@@ -340,11 +432,11 @@ def _value(arg: object, sel: Selection | None, at: dict[int, T] | None) -> objec
     if isinstance(arg, Deferred):
         node = arg._node
         if isinstance(node, Marker):
-            if node.kind in _OF_CHAIN:
-                return node.build(at=at[id(node)])
-            return node.build(sel)
+            return _value(node, sel, at)
         return _pick(arg._dense(None), sel)
     if isinstance(arg, Marker):
+        if arg.kind in _OF_CHAIN and at is not None:
+            return arg.build(at=at[id(arg)])
         return arg.build(sel)
     if isinstance(arg, torch.Tensor):
         return _pick(arg, sel)
@@ -359,7 +451,7 @@ def replay(node: Node, sel: Selection | None = None) -> T:
     wanted: dict[int, list[Marker]] = {}  # prefix -> the chain tests evaluated there
     for op in node.ops:
         for a in (*op.args, *op.kwargs.values()):
-            m = a._node if isinstance(a, Deferred) else None
+            m = a._node if isinstance(a, Deferred) else a
             if isinstance(m, Marker) and m.kind in _OF_CHAIN:
                 wanted.setdefault(m.prefix, []).append(m)
     at: dict[int, T] = {}
@@ -387,16 +479,22 @@ def _real(a: object, x: T, sel: Selection | None, at: dict) -> object:
 
 class Deferred(torch.Tensor):
     """A tensor computed on demand (see the module docstring). Its attributes: _node
-    (a Node, a Marker or a Stack), _lead (the view's choice of lead entries, or None),
-    _to ((device, dtype) the reads are converted to, or None), _budget (the byte limit
-    of dense results outside a forward), _detached (reads carry no gradient: a cached
-    value, as TransformerLens' cache stores value.detach())."""
+    (a Node, a Marker, a Stack, or Dense once changed in place), _lead (the view's choice
+    of lead entries, or None), _to ((device, dtype) the reads are converted to, or None),
+    _budget (the byte limit of dense results outside a forward), _detached (reads carry
+    no gradient: a cached value, as TransformerLens' cache stores value.detach()).
+    Aliases: a lazy view eager would have made of another deferred tensor (detach, a
+    lead index, a reshape) has _source (the tensor whose values it views) and _fn (its
+    values from _source's); _source lists its live views in _views."""
 
     _node: object
     _lead: Selection | None
     _to: tuple[torch.device, torch.dtype] | None
     _budget: int | None
     _detached: bool
+    _source: Deferred | None
+    _fn: Callable[[T], T] | None
+    _views: dict[int, weakref.ref] | None
 
     @staticmethod
     def __new__(cls, node, shape=None, dtype=None, device=None, lead=None, to=None,
@@ -408,6 +506,7 @@ class Deferred(torch.Tensor):
             cls, shape, dtype=dtype, device=device, requires_grad=False
         )
         t._node, t._lead, t._to, t._budget, t._detached = node, lead, to, budget, detached
+        t._source = t._fn = t._views = None
         return t
 
     def _derive(self, **changes) -> Deferred:
@@ -424,10 +523,13 @@ class Deferred(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         what = getattr(self._node, "kind", "stack")
-        return (
-            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"{what}, computed on demand: .full() for the dense tensor)"
+        how = (
+            "dense (changed in place): eager's values"
+            if isinstance(self._node, Dense)
+            else "computed on demand: .full() for the dense tensor"
         )
+        name = type(self).__name__
+        return f"{name}(shape={tuple(self.shape)}, dtype={self.dtype}, {what}, {how})"
 
     # -- public reads --
 
@@ -450,12 +552,17 @@ class Deferred(torch.Tensor):
         return self._convert(_lead_of(self.weights.lse, self._lead, tail=1))
 
     def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> T:
-        """The dense tensor; refuses, before computing anything, past max_bytes (None:
-        no limit)."""
+        """The dense tensor (a new one); refuses, before computing anything, past max_bytes
+        (None: no limit)."""
+        if isinstance(self._node, Dense):
+            return self._node.t.clone()
         return self._dense(max_bytes)
 
     def entropy(self) -> T:
         """-sum_j p_ij ln p_ij per query row, in nats: (*lead, L)."""
+        if isinstance(self._node, Dense):
+            p = self._node.t
+            return -(p * p.clamp_min(torch.finfo(p.dtype).tiny).log()).sum(dim=-1)
         return self._reduce("entropy")
 
     # -- the dispatch --
@@ -498,6 +605,8 @@ class Deferred(torch.Tensor):
     def _dense(self, max_bytes: int | str | None = "budget") -> T:
         """The dense value of this tensor (with its view and conversion)."""
         node = self._node
+        if isinstance(node, Dense):
+            return node.t  # the tensor itself: its views and changes are the tensor's
         if max_bytes == "budget":
             max_bytes = None if in_forward() else self._budget
         check_fits(
@@ -729,6 +838,8 @@ def _handle(func, args, kwargs) -> object:
             return _score_op(x, func, args, kwargs)
         return NotImplemented
     node = _node_of(first)
+    if node is not None and _inplace(func):
+        return _record_in_place(first, func, args, kwargs)  # else dense, in _fallback
     if func in MATMUL and isinstance(_node_of(first), Node) and len(args) == 2:
         return _matmul(first, args[1])
     if func in BMM and isinstance(_node_of(first), Node) and len(args) == 2 and not kwargs:
@@ -751,14 +862,8 @@ def _handle(func, args, kwargs) -> object:
         return _stack_op(first, node, func, args, kwargs)
     if not isinstance(node, Node):
         return NotImplemented
-    if _inplace(func):
-        raise SdpaTypeError(
-            f"{type(first).__name__} is computed on demand and cannot be changed in place "
-            f"({getattr(func, '__name__', func)}); take a dense copy first "
-            f"(p.full() or p.clone()) or return a new tensor from your hook"
-        )
     if func is T.detach:
-        return first._derive(detached=True)
+        return _alias(first, first._derive(detached=True), func, args, kwargs)
     if func in SAME:
         return first
     if func is T.to or func is T.type or func is T.float or func is T.cpu or func is T.cuda:
@@ -784,20 +889,260 @@ def _handle(func, args, kwargs) -> object:
 
 
 def _fallback(func, args, kwargs) -> object:
-    """func on the dense values (the budget applies outside a forward)."""
-    real = torch.utils._pytree.tree_map(
-        lambda a: a._dense() if isinstance(a, Deferred) else a, (args, kwargs)
-    )
-    deferreds = [a for a in _flat(args) if isinstance(a, Deferred)]
-    if in_forward() and deferreds:
-        bare = all(isinstance(a._node, Node) and a._node.kind == "scores" and not a._node.ops
-                   for a in deferreds)  # fmt: skip
+    """func on the dense values (the budget applies outside a forward). A deferred tensor
+    the op changes in place first becomes dense itself (with its aliases), so that every
+    holder of it sees the change. Inside a forward, a deferred tensor whose dense values
+    an output views (a view eager code took: s.transpose(...), s[:, 1:]) lends them: if
+    the view is written to, the tensor becomes those values (see _settle)."""
+    deferreds = [a for a in _flat((args, kwargs)) if isinstance(a, Deferred)]
+    deferreds = [a for a in deferreds if not isinstance(a._node, Dense)]
+    mode = _active.get() if in_forward() else None
+    bare = all(isinstance(a._node, Node) and a._node.kind == "scores" and not a._node.ops
+               for a in deferreds)  # fmt: skip
+    written = _written(func, args, kwargs)
+    for x in written:
+        _densify(x, func)  # (refused past the budget: then nothing ran densely)
+    if mode is not None and deferreds:
         if not bare:  # (a bare product met another op: not attention scores, eager's)
             _note_fallback(func, args)
-        mode = _active.get()
-        if mode is not None and bare:
+        else:
             mode.armed = True  # not the scores: the next product may be
-    return func(*real[0], **real[1])
+    roots: dict[int, tuple[Deferred, T]] = {}  # id(root) -> (root, its dense values)
+
+    def real(a: object) -> object:
+        if not isinstance(a, Deferred):
+            return a
+        if mode is None or isinstance(a._node, Dense):
+            return a._dense()
+        root = a._source if a._source is not None else a
+        got = roots.get(id(root))
+        if got is None:
+            lent = mode.lent.get(id(root))
+            got = roots[id(root)] = (root, lent[1] if lent is not None else root._dense())
+        return got[1] if a is root else a._fn(got[1])
+
+    real_args, real_kwargs = torch.utils._pytree.tree_map(real, (args, kwargs))
+    out = func(*real_args, **real_kwargs)
+    if written:
+        return written[0] if out is written[0]._node.t else out
+    if roots:
+        _lend(mode, roots, out)
+    return out
+
+
+def _written(func, args, kwargs) -> list[Deferred]:
+    """The deferred tensors func changes in place: its first argument (add_, __setitem__,
+    inplace=True) and its out= tensors."""
+    found = []
+    first = args[0] if args else None
+    if isinstance(first, Deferred) and (
+        _inplace(func)
+        or kwargs.get("inplace") is True
+        or (func in DROPOUT and len(args) > 3 and args[3] is True)
+    ):
+        found.append(first)
+    for o in _flat(kwargs.get("out")):
+        if isinstance(o, Deferred) and all(o is not f for f in found):
+            found.append(o)
+    return found
+
+
+def _densify(x: Deferred, func) -> None:
+    """x, and every alias of it, turned into eager's dense values before func changes x in
+    place: the values a view already shares, else computed within x's budget (past it,
+    refused: the error names func and the code that applied it)."""
+    if isinstance(x._node, Dense):
+        return
+    root = x._source if x._source is not None else x
+    mode = _active.get()
+    lent = mode.lent.pop(id(root), None) if mode is not None else None
+    if lent is not None:
+        values = lent[1]
+    else:
+        need = math.prod(root.shape) * root.element_size()
+        if root._budget is not None and need > root._budget:
+            raise _in_place_refusal(x, func, root, need)
+        values = root._dense(None)
+    _turn_dense(root, values)
+
+
+def _turn_dense(root: Deferred, values: T) -> None:
+    """root becomes Dense(values); each live view of it, Dense(its view of values)."""
+    members = [(root, values)]
+    for ref in (root._views or {}).values():
+        m = ref()
+        if m is not None:
+            members.append((m, m._fn(values)))
+    for m, t in members:
+        m._node = Dense(getattr(m._node, "kind", "stacked"), t)
+        m._lead = m._to = m._source = m._fn = m._views = None
+
+
+def _alias(x: Deferred, out: Deferred, func, args, kwargs) -> Deferred:
+    """out, a lazy tensor standing for func(x, *args[1:]) that eager would have made as a
+    view of x (detach, x[index], a reshape), linked to x's storage: an in-place change of
+    either reaches the other (see _densify)."""
+    root = x._source if x._source is not None else x
+    parent, rest = x._fn, args[1:]
+
+    def fn(t: T) -> T:
+        return func(parent(t) if parent is not None else t, *rest, **kwargs)
+
+    out._source, out._fn = root, fn
+    if root._views is None:
+        root._views = {}
+    root._views[id(out)] = weakref.ref(out)
+    return out
+
+
+def _alone(x: Deferred) -> bool:
+    """Whether nothing else views x's values: no lazy view of it, and no view of its dense
+    values lent in this forward."""
+    mode = _active.get()
+    if x._source is not None or (mode is not None and id(x) in mode.lent):
+        return False
+    views = x._views
+    if views:
+        for key, ref in list(views.items()):
+            if ref() is None:
+                del views[key]
+    return not views
+
+
+def _lend(mode: Intercept, roots: dict[int, tuple[Deferred, T]], out: object) -> None:
+    """Note the roots whose dense values an output of a fallback views."""
+    leaves = [o for o in _flat(out) if isinstance(o, torch.Tensor) and not isinstance(o, Deferred)]
+    for key, (root, values) in roots.items():
+        if key in mode.lent or values.numel() == 0:
+            continue
+        at = _storage(values)
+        if at is not None and any(_storage(o) == at for o in leaves):
+            mode.lent[key] = (root, values, values._version)
+
+
+def _storage(t: T) -> tuple | None:
+    try:
+        return t.device, t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage)
+        return None
+
+
+def _settle(mode: Intercept) -> None:
+    """Each deferred tensor whose lent dense values were written through a view becomes
+    those values (with its aliases)."""
+    for key, (root, values, version) in list(mode.lent.items()):
+        if values._version != version:
+            del mode.lent[key]
+            if not isinstance(root._node, Dense):
+                _turn_dense(root, values)
+
+
+def _record_in_place(x: Deferred, func, args, kwargs) -> object:
+    """An in-place op recorded on x's own node, where its out-of-place form would be
+    recorded and nothing else views x (every holder of x then sees it); else
+    NotImplemented (x becomes dense in _fallback). Replay runs the in-place op itself
+    (eager's dtype: s += bias keeps the dtype of s)."""
+    node = x._node
+    oop = _out_of_place(func)
+    if (
+        oop is None or not isinstance(node, Node) or x._lead is not None or x._to is not None
+        or not _alone(x)
+    ):  # fmt: skip
+        return NotImplemented
+    if node.kind == "scores":
+        got = _score_op(x, oop, args, kwargs)
+    elif in_forward() or oop in DROPOUT:
+        got = _pattern_op(x, oop, args, kwargs)
+    else:
+        return NotImplemented
+    if got is x:
+        return x
+    new = _node_of(got)
+    if (
+        not isinstance(new, Node) or new.kind != node.kind or new.shape != node.shape
+        or new.dtype != node.dtype or len(new.ops) != len(node.ops) + 1
+    ):  # fmt: skip
+        return NotImplemented
+    x._node = replace(new, ops=(*new.ops[:-1], replace(new.ops[-1], func=func)))
+    return x
+
+
+class Site(NamedTuple):
+    """Where an op on a deferred tensor was applied."""
+
+    line: str  # file:line of the first frame outside torch and sdpa
+    module: str | None  # the module whose code that is (class 'name')
+    hook: bool  # whether a hook function applied it (called by a TransformerLens HookPoint)
+
+
+_LIBRARIES = (  # torch/ and sdpa/: the frames _site skips
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
+
+
+def _site() -> Site:
+    """The code that applied the current op, from the Python stack: its line, the module
+    of the nearest frame at or above it that runs one (a method's self), and whether a
+    HookPoint called it (a hook's `hook` argument, HookPoint's own `module`)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame = frame.f_back
+    if frame is None:
+        return Site("<unknown>", None, False)
+    line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    while frame is not None:
+        local = frame.f_locals
+        for key in ("hook", "module", "self"):
+            if _is_hook_point(local.get(key)):
+                return Site(line, _module_name(local[key]), True)
+        if isinstance(local.get("self"), torch.nn.Module):
+            return Site(line, _module_name(local["self"]), False)
+        frame = frame.f_back
+    return Site(line, None, False)
+
+
+def _is_hook_point(obj: object) -> bool:
+    return obj is not None and any("HookPoint" in c.__name__ for c in type(obj).__mro__)
+
+
+def _module_name(m: object) -> str:
+    name = getattr(m, "__dict__", {}).get("name")  # TransformerLens components' own name
+    return f"{type(m).__name__} {name!r}" if isinstance(name, str) and name else type(m).__name__
+
+
+def _in_place_refusal(x: Deferred, func, root: Deferred, need: int) -> Exception:
+    """The error for an in-place op on a deferred tensor past its budget: what changed,
+    the bytes its dense values need, where the op came from and what would work."""
+    name = getattr(func, "__name__", repr(func))
+    site = _site()
+    kind = getattr(root._node, "kind", "stacked")
+    head = (
+        f"{name} changes a {type(x).__name__} {tuple(x.shape)} in place; sdpa holds it as a "
+        f"recipe and would first need the dense {kind} {tuple(root.shape)}: {need:,} bytes, "
+        f"over max_bytes={root._budget:,}. "
+    )
+    if site.hook:
+        tail = (
+            f"The op came from a hook on {site.module} at {site.line}: return a new tensor "
+            f"from the hook (s - m, s.masked_fill(...)) instead of changing its argument"
+        )
+    elif in_forward():
+        tail = (
+            f"The attention code of {site.module or 'the module'} at {site.line} cannot run on "
+            f"sdpa's intercept as written (sdpa.integrations.transformer_lens.unfused(bridge) "
+            f"names it); a larger budget (use_sdpa(bridge, max_dense_bytes=None)) runs it "
+            f"densely, as eager does, or write it out of place (s = s - m)"
+        )
+    else:
+        tail = (
+            f"At {site.line}: change a dense copy instead (.full(max_bytes=None)), or read "
+            f"less (rows, columns, sums)"
+        )
+    # not a TypeError for the arithmetic: Tensor.__iadd__ turns a TypeError into
+    # NotImplemented, and Python would then run s = s + m, leaving the aliases of s as
+    # they were
+    return (SdpaTypeError if name == "__setitem__" else WeightsTooLargeError)(head + tail)
 
 
 def _flat(args) -> list:
@@ -836,17 +1181,49 @@ def _record(x: Deferred, func, args, kwargs, **changes) -> Deferred:
     op = Op(func, tuple(_as_self(a, x) for a in args),
             {k: _as_self(a, x) for k, a in kwargs.items()})  # fmt: skip
     ops = (*node.ops, op)
-    changes.setdefault("versions", _versions(node.q, node.kt, ops))
+    # each tensor's version as of its use (q, kt expanded by _widen share q's, kt's)
+    used = (a for a in (*op.args, *op.kwargs.values())
+            if isinstance(a, torch.Tensor) and not isinstance(a, Deferred))  # fmt: skip
+    changes.setdefault(
+        "versions", (*node.versions, *(a._version for a in used if not a.is_inference()))
+    )
     return _wrap(x, replace(node, ops=ops, **changes))
 
 
 def _as_self(a: object, x: Deferred) -> object:
-    """a with x replaced by _SELF (in lists and tuples too: torch.cat's tensors)."""
+    """a with x replaced by _SELF (in lists and tuples too: torch.cat's tensors), and a
+    deferred Marker by its node (_frozen)."""
     if a is x:
         return _SELF
     if isinstance(a, list | tuple):
         return type(a)(_as_self(b, x) for b in a)
-    return a
+    return _frozen(a)
+
+
+def _widen(node: Node, other: object) -> dict | None:
+    """What becomes of the scores' node after an op with `other` (a mask or bias) that
+    broadcasts them to a larger shape, as eager's result does (scores (1, H, L, S) +
+    bias (2, 1, L, S) -> (2, H, L, S)): {} where the shape stays; q and kt expanded to
+    it (views: same values, nothing copied); None where the node cannot follow."""
+    shape = getattr(other, "shape", None)
+    if shape is None:
+        return {}
+    n = max(len(shape), len(node.shape))
+    wide = []  # torch's broadcasting rule, in O(ndim) (torch.broadcast_shapes is slow)
+    for a, b in zip((1,) * (n - len(node.shape)) + node.shape,
+                    (1,) * (n - len(shape)) + tuple(shape), strict=True):  # fmt: skip
+        if a != b and a != 1 and b != 1:
+            return None
+        wide.append(b if a == 1 else a)
+    wide = tuple(wide)
+    if wide == node.shape:
+        return {}
+    if len(wide) != 4 or node.folded or node.spec.sinks is not None or not node.replayable:
+        return None
+    B, H, L, S = wide
+    q = node.q.expand(B, H, L, node.q.shape[-1])  # (B, H, L, D)
+    kt = node.kt.expand(B, H, node.kt.shape[-2], S)  # (B, H, D, S)
+    return {"shape": wide, "q": q, "kt": kt}
 
 
 def _wrap(x: Deferred, node: object) -> Deferred:
@@ -879,11 +1256,13 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
         m = _node_of(mask)
         if value == 0.0 and isinstance(m, Marker) and m.kind == "dead":
             return _record(x, func, args, kwargs, spec=replace(spec, dead=True))
-        if value is None or value > MASKED:
+        if value is None or not value <= MASKED:  # NaN, +inf, finite fills are values
             return NotImplemented
         if isinstance(m, Marker) and m.kind == "not_tril":
             term = ("causal", m.diagonal)
-        elif (isinstance(m, Marker) and m.kind in ("tril", "ones", "knock")) or (
+        elif isinstance(m, Marker) and m.kind in ("tril", "ones", "knock"):
+            term = ("drop", m)
+        elif (
             isinstance(mask, torch.Tensor)
             and not isinstance(mask, Deferred)
             and mask.dtype == torch.bool
@@ -891,7 +1270,11 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
             term = ("drop", mask)
         else:
             return NotImplemented
-        return _record(x, func, args, kwargs, spec=replace(spec, terms=(*spec.terms, term)))
+        wide = _widen(node, mask)
+        if wide is None:
+            return NotImplemented
+        spec = replace(spec, terms=(*spec.terms, term))
+        return _record(x, func, args, kwargs, spec=spec, **wide)
     if func in ADD and len(args) == 2 and kwargs.get("alpha", 1) == 1:
         m = _node_of(other)
         if isinstance(m, Marker) and m.kind == "additive" and m.fill <= MASKED:
@@ -904,7 +1287,11 @@ def _score_op(x: Deferred, func, args, kwargs) -> object:
             term = ("bias", other)
         else:
             return NotImplemented
-        return _record(x, func, args, kwargs, spec=replace(spec, terms=(*spec.terms, term)))
+        wide = _widen(node, other)
+        if wide is None:
+            return NotImplemented
+        spec = replace(spec, terms=(*spec.terms, term))
+        return _record(x, func, args, kwargs, spec=spec, **wide)
     if func in CAT and spec.sinks is None and not spec.tanh:
         return _cat_sink(x, args, kwargs)
     if func in MAX and spec.sinks is not None and len(args) == 1 + ("dim" not in kwargs):
@@ -975,7 +1362,8 @@ def _drop_sink(x: Deferred, index: object) -> object:
         return NotImplemented
     call.mask = masks.sinks(node.spec.sinks, call.mask)
     dead = "eager" if _may_see_nothing(node.spec) else "sdpa"
-    return _wrap(x, replace(keys, call=call, dead=dead, spec=replace(node.spec, sinks=None)))
+    out = _wrap(x, replace(keys, call=call, dead=dead, spec=replace(node.spec, sinks=None)))
+    return _alias(x, out, T.__getitem__, (x, index), {})
 
 
 def _may_see_nothing(spec: Spec) -> bool:
@@ -1029,14 +1417,18 @@ def _where_scores(cond, x: Deferred, fill) -> object:
     node = x._node
     tagged = mode.fills.get(id(fill)) if mode is not None else None
     if (
-        node.kind != "scores" or tagged is None or tagged[0] is not fill or tagged[1] > MASKED
+        node.kind != "scores" or tagged is None or tagged[0] is not fill
+        or not tagged[1] <= MASKED  # (NaN, +inf: values, not masks)
         or not isinstance(cond, torch.Tensor) or cond.dtype != torch.bool
         or (isinstance(cond, Deferred) and not isinstance(cond._node, Marker))
     ):  # fmt: skip
         return NotImplemented
-    term = ("keep", cond)
+    wide = _widen(node, cond)
+    if wide is None:
+        return NotImplemented
+    term = ("keep", _frozen(cond))
     return _record(x, torch.where, (cond, x, fill), {},
-                   spec=replace(node.spec, terms=(*node.spec.terms, term)))  # fmt: skip
+                   spec=replace(node.spec, terms=(*node.spec.terms, term)), **wide)  # fmt: skip
 
 
 def _to(x: Deferred, func, args, kwargs) -> object:
@@ -1142,6 +1534,7 @@ def _matmul(p: Deferred, v: object) -> object:
     call = node.call
     if v.ndim != call.q.ndim or v.ndim != len(node.shape):
         return NotImplemented
+    node.check_fresh()  # a mask changed since its use: eager's values are gone
     out_dtype = torch.promote_types(p.dtype, v.dtype)
     q, k = call.q, call.k
     if q.dtype != v.dtype:
@@ -1193,7 +1586,7 @@ def _unfold(x: Deferred, func, args, kwargs) -> object:
         spec = replace(node.spec, terms=terms)
         four = replace(node, shape=(B, H, L, S), q=q, kt=kt, ops=ops, spec=spec, folded=False,
                        versions=_versions(q, kt, ops))  # fmt: skip
-        return _wrap(x, four)
+        return _alias(x, _wrap(x, four), func, args, kwargs)
     if (
         node.kind == "pattern"
         and len(node.shape) == 4
@@ -1204,7 +1597,8 @@ def _unfold(x: Deferred, func, args, kwargs) -> object:
         if sizes[0] != B * H:
             return NotImplemented
         out = _record(x, func, args, kwargs)  # (B*H, L, S), replayed as eager's reshape
-        return _wrap(x, replace(out._node, shape=(B * H, L, S), folded=True))
+        folded = _wrap(x, replace(out._node, shape=(B * H, L, S), folded=True))
+        return _alias(x, folded, func, args, kwargs)
     return NotImplemented
 
 
@@ -1264,7 +1658,8 @@ def _getitem(x: Deferred, index: object) -> object:
     if lead is _WHOLE:
         lead = None
     if whole(q_item, L) and whole(k_item, S):
-        return x._derive(shape=_lead_sizes(node.shape, lead), lead=lead)
+        view = x._derive(shape=_lead_sizes(node.shape, lead), lead=lead)
+        return _alias(x, view, T.__getitem__, (x, index), {})
     r = q_item if not isinstance(q_item, int) else slice(q_item % L, q_item % L + 1)
     keys = None if whole(k_item, S) else k_item % S if isinstance(k_item, int) else k_item
     n_keys = 1 if isinstance(keys, int) else _count(keys, S)
@@ -1532,6 +1927,9 @@ class Intercept(TorchFunctionMode):
         self.fills: dict[int, tuple[T, float]] = {}  # id -> (0-d tensor, its value)
         self.off = 0
         self.armed = True  # one q @ k^T per forward: later products (p @ v) are not scores
+        # deferred tensors whose dense values a view eager code took shares:
+        # id -> (tensor, values, values._version when lent)
+        self.lent: dict[int, tuple[Deferred, T, int]] = {}
 
     @contextlib.contextmanager
     def bypass(self) -> Iterator[None]:
@@ -1550,6 +1948,7 @@ class Intercept(TorchFunctionMode):
         _forward_depth.reset(self._token)
         _active.reset(self._mode_token)
         self.fills.clear()
+        self.lent.clear()
         self.armed = True
         return super().__exit__(*exc)
 
@@ -1557,6 +1956,8 @@ class Intercept(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.off:
             return func(*args, **kwargs)
+        if self.lent:
+            _settle(self)  # a view written since: its tensor is those values now
         if func in MATMUL and len(args) == 2 and not kwargs and self.armed:
             got = self._scores(*args)
             if got is not None:
@@ -1672,7 +2073,7 @@ class Intercept(TorchFunctionMode):
         if isinstance(keep, Deferred) and not isinstance(keep._node, Marker):
             return None
         shape = torch.broadcast_shapes(keep.shape, a.shape, b.shape)
-        m = Marker("additive", tuple(shape), a.dtype, a.device, keep=keep, fill=fill[1])
+        m = Marker("additive", tuple(shape), a.dtype, a.device, keep=_frozen(keep), fill=fill[1])
         return make(m, self.budget)
 
 
@@ -1694,7 +2095,8 @@ def with_edit(x: Deferred, edit) -> Deferred | None:
         if node.edits:
             raise NotSupportedError(
                 f"two sdpa edits on one attention call ({node.edits[0]!r} then {edit!r}); "
-                f"apply one per call, or compose them on a dense pattern"
+                f"compose them into one edit, sdpa.integrations.edits.Compose(first, second), "
+                f"which runs the chain as one fused call"
             )
         return _wrap(x, replace(node, edits=(*node.edits, edit)))
     return None

@@ -15,6 +15,13 @@ exclude_current_token (the diagonal 0), as detect_head does. Both need only P at
 marked pairs, in column 0 and on the diagonal (w.pairs, w[..., 0], w.diagonal()),
 and sum(P) = L (every query row sums to 1: self-attention with every query seeing a
 key, no attention sinks). Shapes: tokens (L,) or (B, L); weights (B, H, L, L).
+
+Normalisation: detect_head's sums run over every query, also those D marks no key for
+(the first copy of a repeated sequence, for induction), so a perfect induction head on
+[BOS, x, x] scores |x| / (2|x| + 1), about 1/2. score(..., normalize="marked_queries")
+takes both sums over the queries D marks a key for only: the textbook induction score,
+the mean over the second copy of the weight on the token after the earlier copy (1 for
+a perfect head).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from sdpa.weights import AttentionWeights
 
 HEAD_NAMES = ("previous_token_head", "duplicate_token_head", "induction_head")
 MEASURES = ("mul", "abs")
+NORMALIZATIONS = ("detect_head", "marked_queries")
 
 __all__ = [
     "HEAD_NAMES",
@@ -89,12 +97,23 @@ def score(
     exclude_bos: bool = False,
     exclude_current_token: bool = False,
     error_measure: str = "mul",
+    normalize: str = "detect_head",
 ) -> torch.Tensor:
     """detect_head's score of every head for one layer: weights (B, H, L, L) (sdpa
     AttentionWeights, or a LazyPattern), tokens (L,) or (B, L) -> (B, H) float32.
-    O(L + marked pairs) per head."""
+    O(L + marked pairs) per head.
+
+    normalize: which queries the sums run over. "detect_head" (TransformerLens'): every
+    query, "mul" = sum(P * D) / sum(P) over all L rows, "abs" divides by L; queries D
+    marks no key for count with weight 0 on marked keys, so a perfect induction head on
+    a repeated sequence scores about 1/2. "marked_queries": only the rows D marks a key
+    for (the second copy, for induction), "abs" divided by their number: the textbook
+    mean over those queries of the weight on their marked keys, 1 for a perfect head;
+    NaN where D marks nothing. Exclusions apply before either."""
     if error_measure not in MEASURES:
         raise SdpaValueError(f"error_measure must be one of {MEASURES}, got {error_measure!r}")
+    if normalize not in NORMALIZATIONS:
+        raise SdpaValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
     w = _weights(weights)
     if len(w.shape) != 4 or w.shape[-2] != w.shape[-1]:
         raise SdpaValueError(
@@ -121,10 +140,17 @@ def score(
     valid = valid.to(w.device)[:, None, :]  # (B, 1, P)
     hit = (marked * valid).sum(-1)  # (B, H): sum of P over the marked pairs left
     count = valid.sum(-1).to(dt)  # (B, 1)
-    col0 = w[..., 0].to(dt)  # (B, H, L): P[i, 0]
-    diag = w.diagonal().to(dt)  # (B, H, L): P[i, i]
+    rows = torch.ones(B, 1, L, dtype=dt, device=w.device)  # (B, 1, L): the rows summed
+    if normalize == "marked_queries":
+        pairs_in = torch.zeros(B, L, dtype=dt).scatter_add_(
+            1, q_index.reshape(B, -1), valid.reshape(B, -1).to("cpu", dt)
+        )  # (B, L): the marked pairs left in each row
+        rows = (pairs_in > 0).to(w.device, dt)[:, None, :]
+    col0 = w[..., 0].to(dt) * rows  # (B, H, L): P[i, 0] of the rows summed
+    diag = w.diagonal().to(dt) * rows  # (B, H, L): P[i, i]
     corner = col0[..., 0]  # P[0, 0], in both
-    total = torch.full((B, H), float(L), dtype=dt, device=w.device)  # rows sum to 1
+    n_rows = rows.sum(-1)  # (B, 1): L, or the marked rows
+    total = n_rows.expand(B, H).clone()  # every row sums to 1
     if exclude_bos:
         total = total - col0.sum(-1)
     if exclude_current_token:
@@ -135,7 +161,7 @@ def score(
         return (hit / total).float()
     # sum |P - D| = sum P + #marked - 2 sum_marked P, over the entries left
     abs_sum = total + count - 2 * hit
-    return (1 - torch.round(abs_sum / L, decimals=3)).float()
+    return (1 - torch.round(abs_sum / n_rows, decimals=3)).float()
 
 
 def _padded(pairs, exclude_bos: bool, exclude_current: bool):
@@ -186,12 +212,14 @@ def detect_head(
     exclude_bos: bool = False,
     exclude_current_token: bool = False,
     error_measure: str = "mul",
+    normalize: str = "detect_head",
 ) -> torch.Tensor:
     """TransformerLens' detect_head for a bridge on sdpa (use_sdpa), from lazy patterns:
     (n_layers, n_heads), -1 for heads not asked for; a list of prompts averages their
     scores. No context-length assert (TransformerLens asserts L < n_ctx to hold the
     dense cache). cache: a run_with_cache result of this prompt on the bridge (its
-    patterns, LazyPattern)."""
+    patterns, LazyPattern). normalize: as in score ("detect_head", TransformerLens'
+    default here; "marked_queries" for the textbook mean over the marked queries)."""
     if detection_pattern not in HEAD_NAMES:
         raise SdpaValueError(
             f"detection_pattern must be one of {HEAD_NAMES} here (a tensor pattern needs the "
@@ -202,7 +230,8 @@ def detect_head(
             raise SdpaValueError("cache serves one prompt; pass one prompt, or omit cache")
         each = [
             detect_head(model, s, detection_pattern, heads, exclude_bos=exclude_bos,
-                        exclude_current_token=exclude_current_token, error_measure=error_measure)
+                        exclude_current_token=exclude_current_token, error_measure=error_measure,
+                        normalize=normalize)
             for s in seq
         ]  # fmt: skip
         return torch.stack(each).mean(0)
@@ -221,6 +250,7 @@ def detect_head(
             exclude_bos=exclude_bos,
             exclude_current_token=exclude_current_token,
             error_measure=error_measure,
+            normalize=normalize,
         )
         matches[layer, wanted] = got[0, wanted].to(matches.dtype)  # fmt: skip
     return matches

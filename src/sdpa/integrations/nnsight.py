@@ -10,6 +10,7 @@ edits as a replacement of that call's output.
         pattern = call.output[1].save()                  # dense (B, H, L, S), as eager's
     with lm.trace(ids):                                  # an edit: the call's output replaced
         call.output = sdpa_nn.edited_output(edits.ScaleHeads({0: 0.5}), call.inputs)
+    # two edits in order, one fused call: [edits.KnockOut([5], [0]), edits.ZeroAblate([1])]
 
 What the call site shows as its second output: with `register()`, the dense weights
 when attentions are asked for (`output_attentions=True`, or transformers' output
@@ -31,6 +32,7 @@ import torch
 
 from sdpa import masks
 from sdpa.errors import NotSupportedError, SdpaTypeError
+from sdpa.integrations import edits
 
 # Keywords of the attention-interface call that carry nothing for an edit.
 HARMLESS = frozenset(
@@ -65,19 +67,30 @@ def call_mask(module: torch.nn.Module, query, key, attention_mask, kwargs: dict)
     is_causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     mask = attention_mask
     if mask is None and is_causal and query.shape[-2] > 1:
-        mask = masks.causal("top-left")
+        mask = masks.TOP_LEFT
     if kwargs.get("softcap") is not None:
         mask = masks.softcap(kwargs["softcap"], mask)
     return mask
 
 
 def edited_output(edit, inputs) -> tuple[torch.Tensor, None]:
-    """The attention-interface call's output with an sdpa edit applied: (output
+    """The attention-interface call's output with sdpa edits applied: (output
     (B, L, H, Dv) as the call returns it, None), for `call.output = ...` inside a trace.
 
-    edit: an sdpa.integrations.edits.Edit; inputs: the call's `.inputs` ((module, query,
-    key, value, attention_mask, ...), keywords). Keywords other than scaling, dropout
-    (0 only), softcap, is_causal and HARMLESS are refused by name."""
+    edit: an sdpa.integrations.edits.Edit, or a list / tuple of them applied in order,
+    each to the pattern the one before left (edits.Compose: one fused call where it
+    can); inputs: the call's `.inputs` ((module, query, key, value, attention_mask, ...),
+    keywords). Keywords other than scaling, dropout (0 only), softcap, is_causal and
+    HARMLESS are refused by name."""
+    if isinstance(edit, list | tuple):
+        edit = edits.Compose(*edit)
+    elif not isinstance(edit, edits.Edit):
+        inner = getattr(edit, "edit", None)  # an on_layers / on_modules function
+        hint = f"; pass its edit, {inner!r}" if isinstance(inner, edits.Edit) else ""
+        raise SdpaTypeError(
+            f"edit must be an sdpa.integrations.edits.Edit or a list of them (applied in "
+            f"order), got {edit!r}{hint}"
+        )
     args, kwargs = inputs
     module, query, key, value, attention_mask = args[:5]
     known = HARMLESS | {"scaling", "dropout", "softcap", "is_causal"}

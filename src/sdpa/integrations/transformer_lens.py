@@ -28,6 +28,16 @@ How each attention bridge runs, per forward:
   TransformerLens warns that an edit there is discarded). Gradients of the patterns
   are eager's own.
 
+Bridges of TransformerLens' own architecture (`TransformerBridge.boot_native`,
+"TransformerLensNative": its NativeAttention, every config switch of TransformerLens 4.3)
+run the same way: NativeAttention's code runs under the interception, which also reads
+its causal mask (a slice of its triu buffer) as sdpa's causal mask, its all-False mask
+(bidirectional) as no mask, and the zeroing of the masked weights after its softmax as
+sdpa's own zeros; hook_pattern fires inside the computation (an edit there re-weights
+the output, on eager and here alike) and hook_attn_scores gets the pattern, as on eager.
+use_sdpa checks each native attention fuses (one 3-token forward, its hooks set aside)
+and refuses the bridge, naming the layer and the op, where one would run eagerly.
+
 `cache["pattern", layer]` is a LazyPattern: a torch.Tensor subclass, not the
 AttentionWeights handle itself (its `.weights` is that handle). Code that needs a dense
 tensor (circuitsvis, numpy) gets one from any op it applies, within `max_dense_bytes`
@@ -41,13 +51,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from sdpa.budget import DEFAULT_MAX_BYTES, check_max_bytes
-from sdpa.errors import SdpaTypeError, SdpaValueError
+from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
 from sdpa.integrations import deferred
 from sdpa.integrations import transformers as sdpa_hf
 from sdpa.integrations.deferred import LazyPattern, LazyScores, fallbacks
@@ -91,6 +103,21 @@ class State:
     implementation: dict[int, tuple[object, object]] = field(default_factory=dict)
     patched: list[torch.nn.Module] = field(default_factory=list)
     unfused: dict[str, str] = field(default_factory=dict)  # bridge name -> why
+    # NativeAttention -> (its causal_mask buffer, the buffer's version, whether it is
+    # triu(ones, 1)): checked once per buffer and version
+    causal: dict[int, tuple[torch.Tensor, int, bool]] = field(default_factory=dict)
+
+    def causal_buffer(self, attention: torch.nn.Module) -> torch.Tensor | None:
+        """A NativeAttention's causal_mask buffer where it is triu(ones(n, n), 1) (True
+        above the diagonal, masked), else None."""
+        buf = getattr(attention, "causal_mask", None)
+        if type(buf) is not torch.Tensor or buf.dtype != torch.bool or buf.ndim != 2:
+            return None
+        known = self.causal.get(id(attention))
+        if known is None or known[0] is not buf or known[1] != buf._version:
+            known = (buf, buf._version, torch.equal(buf, torch.ones_like(buf).triu(1)))
+            self.causal[id(attention)] = known
+        return buf if known[2] else None
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -159,7 +186,9 @@ def use_sdpa(bridge: torch.nn.Module, *, max_dense_bytes: int | None = DEFAULT_M
     becomes "lse_attention_tl": sdpa's function and transformers' sdpa mask, so a plain
     causal mask reaches the bridges as None and they build it as causal (the tril that
     the fused kernel runs as its causal path); bridges in EAGER_MASK_BRIDGES get eager's
-    float mask instead ("lse_attention_tl_eager_mask").
+    float mask instead ("lse_attention_tl_eager_mask"). A boot_native bridge (no Hugging
+    Face model) is checked instead: NotSupportedError, naming the layer and the op, where
+    one of its attentions would not run fused.
     """
     if type(bridge).__name__ != "TransformerBridge" and not hasattr(bridge, "original_model"):
         raise SdpaTypeError(
@@ -186,6 +215,17 @@ def use_sdpa(bridge: torch.nn.Module, *, max_dense_bytes: int | None = DEFAULT_M
         )
         state.patched.append(module)
     _STATES[bridge] = state
+    refused = [(m, why) for m in attention if _native(m) and (why := _check(m, state))]
+    if refused:
+        restore(bridge)
+        architecture = getattr(getattr(bridge, "cfg", None), "architecture", None)
+        reasons = "; ".join(
+            f"{_name(m)} ({type(m.original_component).__name__}): {why}" for m, why in refused
+        )
+        raise NotSupportedError(
+            f"use_sdpa cannot fuse the attention of this {architecture} bridge: {reasons}. "
+            f"Run it without use_sdpa (TransformerLens' own attention)"
+        )
     return bridge
 
 
@@ -251,12 +291,167 @@ def needs_dense(module: torch.nn.Module) -> bool:
     return False
 
 
+def _name(module: torch.nn.Module) -> str:
+    """An attention bridge's name in its bridge (blocks.3.attn)."""
+    point = getattr(getattr(module, "hook_pattern", None), "name", None) or ""
+    return point.removesuffix(".hook_pattern") or getattr(module, "name", None) or "attention"
+
+
+def _native(module: torch.nn.Module) -> bool:
+    """Whether an attention bridge wraps TransformerLens' NativeAttention (or a subclass):
+    a bridge of boot_native."""
+    try:
+        from transformer_lens.model_bridge.sources.native.model import NativeAttention
+    except ImportError:  # a TransformerLens without the native architecture
+        return False
+    return isinstance(getattr(module, "original_component", None), NativeAttention)
+
+
+def _check(module: torch.nn.Module, state: State) -> str | None:
+    """Why a native attention bridge on sdpa would run eagerly, or None where it fuses:
+    its forward run once on 3 positions, unpadded and padded, with its hooks set aside."""
+    attention = module.original_component
+    weight = next(attention.parameters(), torch.empty(0))
+    n = max(1, min(3, attention.cfg.n_ctx))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, n, attention.cfg.d_model, generator=g).to(weight.device, weight.dtype)
+    positions = torch.arange(n, device=weight.device)[None]  # (1, n), as NativeModel passes
+    padded = torch.ones(1, n, dtype=torch.long, device=weight.device)
+    padded[0, 0] = 0
+    name = _name(module)
+    for mask in (None, padded):
+        fused, fell = deferred.FUSED[0], deferred.fallbacks()
+        with _hooks_aside(module), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                module(x, attention_mask=mask, position_ids=positions)
+            except Exception as e:  # the reason the bridge is refused
+                return f"its forward failed on a check input: {type(e).__name__}: {e}"
+            finally:
+                now, ran = deferred.fallbacks(), deferred.FUSED[0] - fused
+                # the check leaves no trace: the counters as they were, and a fallback it
+                # met still warns the first time a forward meets it
+                deferred._FALLBACKS.clear()
+                deferred._FALLBACKS.update(fell)
+                deferred.FUSED[0] = fused
+        ops = sorted(k for k, v in now.items() if v != fell.get(k, 0))
+        why = state.unfused.pop(name, None)
+        if ops:
+            return (
+                f"its code applies {', '.join(ops)}, which sdpa's interception does not "
+                f"model (the attention would run eagerly)"
+            )
+        if why is not None or not ran:
+            return why or "its code made no attention call sdpa recognises"
+    return None
+
+
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _hooks_aside(module: torch.nn.Module):
+    """Inside: no hook of module or of its submodules runs (TransformerLens' and torch's
+    own); after: every one is back."""
+    saved = []
+    for m in module.modules():
+        d = m.__dict__
+        for key in _HOOK_DICTS:
+            if isinstance(d.get(key), dict):
+                saved.append((d, key, d[key]))
+                d[key] = OrderedDict()
+        for key in ("fwd_hooks", "bwd_hooks"):
+            if isinstance(d.get(key), list):
+                saved.append((d, key, d[key]))
+                d[key] = []
+    try:
+        yield
+    finally:
+        for d, key, value in saved:
+            d[key] = value
+
+
+class NativeIntercept(deferred.Intercept):
+    """deferred.Intercept around a NativeAttention's forward, with its three mask idioms:
+
+        scores.masked_fill(self.causal_mask[:L, :S], -inf)   sdpa's causal mask (top-left
+                                                             block of its triu buffer)
+        scores.masked_fill(torch.zeros(L, S, bool), -inf)    no mask (bidirectional)
+        pattern.masked_fill(block_mask, 0.0)                 a no-op on sdpa's weights: 0
+                                                             wherever that mask (the only
+                                                             one) masked the scores
+    Each is recorded as eager ran it, so a replay of the pattern stays exact."""
+
+    def __init__(self, budget: int | None, causal: torch.Tensor | None) -> None:
+        super().__init__(budget)
+        self.causal = causal  # the module's causal_mask, checked to be triu(ones, 1)
+        self.empty: dict[int, tuple[torch.Tensor, int]] = {}  # all-False masks made here
+        self.dropped: dict[int, tuple[torch.Tensor, tuple]] = {}  # mask -> its score term
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.off:
+            if func is torch.zeros and kwargs.get("dtype") is torch.bool:
+                out = func(*args, **kwargs)
+                self.empty[id(out)] = (out, out._version)
+                return out
+            if func in deferred.MASKED_FILL and len(args) == 3 and not kwargs:
+                got = self._masked_fill(func, types, *args)
+                if got is not NotImplemented:
+                    return got
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def _masked_fill(self, func, types, x, mask, value) -> object:
+        node = getattr(x, "_node", None)
+        if (
+            not isinstance(node, deferred.Node) or x._lead is not None or x._to is not None
+            or type(mask) is not torch.Tensor or mask.dtype != torch.bool
+            or isinstance(value, torch.Tensor) or not isinstance(value, int | float)
+        ):  # fmt: skip
+            return NotImplemented
+        empty = self.empty.get(id(mask))
+        if empty is not None and empty[0] is mask and empty[1] == mask._version:
+            return x  # nothing masked: x as it is
+        if node.kind == "scores":
+            term_mask = mask
+            if self._causal_block(mask):
+                L, S = mask.shape
+                marker = deferred.Marker("not_tril", (L, S), torch.bool, mask.device)
+                term_mask = deferred.make(marker, self.budget)  # ~tril(ones(L, S))
+            out = super().__torch_function__(func, types, (x, term_mask, value), {})
+            terms = getattr(getattr(out, "_node", None), "spec", node.spec).terms
+            if len(terms) == len(node.spec.terms) + 1:
+                self.dropped[id(mask)] = (mask, terms[-1])
+            return out
+        dropped = self.dropped.get(id(mask))
+        spec = node.spec
+        if (
+            node.kind == "pattern" and value == 0 and node.replayable and dropped is not None
+            and dropped[0] is mask and len(spec.terms) == 1 and spec.terms[0] is dropped[1]
+            and not spec.dead and spec.sinks is None and node.dead != "pending"
+        ):  # fmt: skip
+            return deferred._record(x, func, (x, mask, value), {}, dead="sdpa")
+        return NotImplemented
+
+    def _causal_block(self, mask: torch.Tensor) -> bool:
+        """Whether mask is the top-left (L, S) block of the triu(ones, 1) buffer."""
+        buf = self.causal
+        return (
+            buf is not None and mask.ndim == 2 and mask.device == buf.device
+            and mask.data_ptr() == buf.data_ptr() and mask.stride() == buf.stride()
+            and mask.shape[0] <= buf.shape[0] and mask.shape[1] <= buf.shape[1]
+        )  # fmt: skip
+
+
 def _forward(module, original, state: State, *args, **kwargs):
     """An attention bridge's forward on sdpa: TransformerLens' own code, under the
     interception (or on dense tensors where a hook needs them)."""
     budget = _budget.set(state.budget)
-    point = getattr(getattr(module, "hook_pattern", None), "name", None) or ""
-    name = point.removesuffix(".hook_pattern") or getattr(module, "name", None) or "attention"
+    name = _name(module)
     state.unfused.pop(name, None)
     try:
         if needs_dense(module):
@@ -266,7 +461,11 @@ def _forward(module, original, state: State, *args, **kwargs):
                 return original(module, *args, **kwargs)
             finally:
                 _dense.reset(token)
-        mode = deferred.Intercept(state.budget)
+        if _native(module):
+            causal = state.causal_buffer(module.original_component)
+            mode = NativeIntercept(state.budget, causal)
+        else:
+            mode = deferred.Intercept(state.budget)
         token = _mode.set(mode)
         dense = _dense.set(False)
         before = deferred.FUSED[0]

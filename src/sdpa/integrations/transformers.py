@@ -55,6 +55,9 @@ to fn(info, q, k, v, mask), whose answer (an output, an AttentionResult, or None
 the call's own attention) the layer uses; sdpa.integrations.edits gives zero and mean
 ablation, knock-outs, pattern zeroing, head scaling and pattern patching as such fns
 (`edits.ZeroAblate([0]).on_layers(2)`), each computed without the L x S pattern.
+Each call's EditInfo says where it is (layer, stack, kind "self" / "cross", path):
+on an encoder-decoder, `on_layers(1, stack="decoder", kind="cross")` or
+`on_modules("model.decoder.layers.1.encoder_attn")` chooses one module.
 
 Captures belong to their model. `capture(model)` records the calls of the attention
 modules inside `model` (a sub-model: only its layers), and of no other model, from
@@ -91,7 +94,7 @@ from sdpa import masks
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
 from sdpa.functional import AttentionResult, attention
 from sdpa.inputs import scale_of
-from sdpa.integrations.edits import answer_of
+from sdpa.integrations.edits import Layout, Site, answer_of
 from sdpa.weights import AttentionWeights
 
 NAME = "lse_attention"
@@ -278,12 +281,22 @@ def _layer_of(module: torch.nn.Module, numbering: weakref.WeakKeyDictionary) -> 
 class EditInfo(NamedTuple):
     """What an `edit` function is told of the call it may replace."""
 
-    layer: int  # module.layer_idx, or the module's place in the forward pass
+    layer: int  # module.layer_idx, or the module's place among its stack's in the forward pass
     module: torch.nn.Module  # the attention module making the call
     scale: float  # the scale the call uses (the model's scaling, else 1/sqrt(D))
+    stack: str  # the layer list the module is in: "model.decoder.layers", "encoder.block"
+    kind: str  # "self", or "cross" (keys and values from another sequence: encoder_attn)
+    path: str  # the module's qualified name in the model: "model.decoder.layers.1.self_attn"
+    layout: Layout  # every attention module of the model, by stack and kind
 
 
 EditFn = Callable[..., "torch.Tensor | AttentionResult | None"]
+
+# Names that mark an attention module as cross-attention: its attribute name in its layer
+# (BART's and Whisper's encoder_attn, T5's EncDecAttention, BERT's crossattention,
+# Mllama's cross_attn) or its class name (BertCrossAttention).
+CROSS_NAMES = ("cross", "encoder_attn", "encdec", "enc_dec", "encoder_decoder")
+_CALLS_ATTENTION: dict[type, bool] = {}  # module class -> its forward calls the interface
 
 
 @dataclass(eq=False)
@@ -294,12 +307,74 @@ class Edit:
     fn: EditFn
     calls: int = 0  # calls the block saw; answered: those fn replaced
     answered: int = 0
-    _layers: weakref.WeakKeyDictionary = field(
-        default_factory=weakref.WeakKeyDictionary, repr=False
+    layout: Layout = field(default_factory=Layout, repr=False)  # the model's, at open
+    # id(module) -> Site, while open (the modules are held by _modules, ids stay theirs)
+    _sites: dict[int, Site] = field(default_factory=dict, repr=False)
+    _layers: dict[str, weakref.WeakKeyDictionary] = field(  # stack -> {module: layer}
+        default_factory=dict, repr=False
     )
+    _model: weakref.ref | None = field(default=None, repr=False)
     _open: bool = field(default=False, repr=False)
     _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    def _lay_out(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The layout of model's attention modules: those whose class's forward calls
+        transformers' attention interface, each classified once, here. Returns
+        model.modules(), from the same walk."""
+        modules = []
+        for path, m in model.named_modules():
+            modules.append(m)
+            if _calls_attention(m):
+                self._sites[id(m)] = site = _site(path, m)
+                self.layout.add(site)
+        self._model = weakref.ref(model)
+        return modules
+
+    def _site(self, module: torch.nn.Module) -> Site:
+        """module's Site (under the lock), for a module whose attention call the layout
+        did not foresee: found and added to the layout at its first call."""
+        site = self._sites.get(id(module))
+        if site is None:
+            model = self._model() if self._model is not None else None
+            paths = {id(m): p for p, m in model.named_modules()} if model is not None else {}
+            site = _site(paths.get(id(module), type(module).__name__), module)
+            self._sites[id(module)] = site
+            self.layout.add(site)
+        return site
+
+
+def _calls_attention(module: torch.nn.Module) -> bool:
+    """Whether module's forward calls transformers' attention interface (it reads
+    ALL_ATTENTION_FUNCTIONS, as every attention module of transformers 5 does); once per
+    class."""
+    kind = type(module)
+    got = _CALLS_ATTENTION.get(kind)
+    if got is None:
+        code = getattr(_unwrapped(getattr(kind, "forward", None)), "__code__", None)
+        got = _CALLS_ATTENTION[kind] = code is not None and "ALL_ATTENTION_FUNCTIONS" in (
+            code.co_names
+        )
+    return got
+
+
+def _site(path: str, module: torch.nn.Module) -> Site:
+    """Where an attention module sits: its stack (the layer list holding it, the path up
+    to the first index), its kind (the module's is_cross_attention, else cross where its
+    name in its layer or its class name says so) and its layer_idx."""
+    parts = path.split(".") if path else []
+    at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    stack = ".".join(parts[:at] if at is not None else parts[:-1])
+    inner = parts[at + 1 :] if at is not None else parts[-1:]
+    flag = getattr(module, "is_cross_attention", None)
+    if isinstance(flag, bool):
+        cross = flag
+    else:
+        named = " ".join([*inner, type(module).__name__]).lower()
+        cross = any(name in named for name in CROSS_NAMES)
+    layer = getattr(module, "layer_idx", None)
+    layer = layer if isinstance(layer, int) and not isinstance(layer, bool) else None
+    return Site(path, stack, "cross" if cross else "self", layer)
 
 
 def _edited(
@@ -313,8 +388,15 @@ def _edited(
     for found in reversed(edits):
         with found._lock:
             found.calls += 1
-            layer = _layer_of(module, found._layers)
-        got = found.fn(EditInfo(layer, module, scale), query, key, value, mask)
+            site = found._sites.get(id(module)) or found._site(module)
+            layer = site.layer
+            if layer is None:  # numbered in call order, within its stack
+                numbering = found._layers.get(site.stack)
+                if numbering is None:
+                    numbering = found._layers[site.stack] = weakref.WeakKeyDictionary()
+                layer = _layer_of(module, numbering)
+        info = EditInfo(layer, module, scale, site.stack, site.kind, site.path, found.layout)
+        got = found.fn(info, query, key, value, mask)
         if got is None:
             continue
         where = f"{_model_name(module)} layer {layer}"
@@ -398,40 +480,20 @@ def _mask(
     indices: torch.Tensor | None,
 ) -> torch.Tensor | masks.Mask | None:
     """The mask the model means, as transformers' sdpa path reads it."""
-    L, S = query.shape[2], key.shape[2]
+    L = query.shape[2]
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     causal = L > 1 and attention_mask is None and bool(causal)
-    mask: torch.Tensor | masks.Mask | None = attention_mask
-    if causal:  # the mask function left causality to the kernel: top-left, as torch's
-        mask = masks.causal("top-left")
+    # the mask function left causality to the kernel: top-left, as torch's
+    mask = masks.TOP_LEFT if causal else attention_mask
+    tensor, structured = masks.split(mask)
     if indices is not None:  # top-k sparse attention: only the listed keys take part
+        S = key.shape[2]
         keep = torch.zeros(*indices.shape[:-1], S, dtype=torch.bool, device=indices.device)
-        keep = keep.scatter(-1, indices.long(), True)[:, None]  # (B, 1, L, S)
-        mask = keep if mask is None else _and(mask, keep, L, S)
+        tensor = masks.combine(tensor, keep.scatter(-1, indices.long(), True)[:, None])
     if position_bias is not None:  # an additive float bias, masked positions -inf
         bias = position_bias.to(torch.float32 if query.dtype != torch.float64 else query.dtype)
-        if mask is None:
-            return bias
-        mask = _dense(mask, L, S, query.device)
-        if mask.dtype == torch.bool:
-            return bias.masked_fill(~mask, -torch.inf)
-        return bias + mask
-    return mask
-
-
-def _dense(mask: torch.Tensor | masks.Mask, L: int, S: int, device) -> torch.Tensor:
-    """mask as a tensor: a structured mask materialised for L x S."""
-    if isinstance(mask, masks.Mask):
-        return mask.materialize(L, S, device, max_bytes=None)
-    return mask
-
-
-def _and(mask: torch.Tensor | masks.Mask, keep: torch.Tensor, L: int, S: int):
-    """mask restricted to `keep` (bool, True = takes part)."""
-    mask = _dense(mask, L, S, keep.device)
-    if mask.dtype == torch.bool:
-        return mask & keep
-    return mask.masked_fill(~keep, -torch.inf)
+        tensor = masks.combine(bias, tensor)
+    return masks.join(tensor, structured)
 
 
 def _sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None) -> torch.Tensor | None:
@@ -804,18 +866,26 @@ def edit(model: torch.nn.Module, fn: EditFn) -> Iterator[Edit]:
 
     fn(info, q, k, v, mask) is called in every attention call of `model` inside the
     block, after the call's mask is built: info an EditInfo (layer: module.layer_idx, or
-    the module's place in the forward pass; module; scale: the scale the call uses),
-    q (B, Hq, L, D), k / v (B, Hkv, S, D|Dv) as the model passes them (grouped-query
-    heads as they are), mask in sdpa.attention's form (a bool / float tensor, a
-    structured mask; sinks and softcap wrapped around it), or None. It returns the
-    call's output (B, Hq, L, Dv) in q's dtype, an sdpa.AttentionResult (output and the
-    weights: what output_attentions and captures then see), or None for the call's own
-    attention. A bare tensor is refused where the weights are asked for
-    (output_attentions, an open capture, the lazy variant), and any answer is refused in
-    a call with attention dropout (a model in training mode). Edits nest: the innermost
-    whose fn answers wins; captures open at the same time record the edited weights.
-    Under torch.compile the calls of `model` run outside the graph while a block is open.
-    ed.calls / ed.answered: the calls the block saw and those fn replaced.
+    the module's place among its stack's in the forward pass; module; scale: the scale
+    the call uses; stack: the layer list holding the module, "model.decoder.layers";
+    kind: "self" or "cross"; path: the module's name in `model`; layout: every
+    attention module of `model`, worked out when the block opens), q (B, Hq, L, D),
+    k / v (B, Hkv, S, D|Dv) as the model passes them (grouped-query heads as they are),
+    mask in sdpa.attention's form (a bool / float tensor, a structured mask; sinks and
+    softcap wrapped around it), or None. It returns the call's output (B, Hq, L, Dv) in
+    q's dtype, an sdpa.AttentionResult (output and the weights: what output_attentions
+    and captures then see), or None for the call's own attention. A bare tensor is
+    refused where the weights are asked for (output_attentions, an open capture, the
+    lazy variant), and any answer is refused in a call with attention dropout (a model
+    in training mode). Edits nest: the innermost whose fn answers wins; captures open at
+    the same time record the edited weights. Under torch.compile the calls of `model`
+    run outside the graph while a block is open. ed.calls / ed.answered: the calls the
+    block saw and those fn replaced.
+
+    Layer numbers repeat across an encoder-decoder's stacks (BART's encoder
+    self-attention, decoder self-attention and decoder cross-attention all carry
+    layer_idx 1): there `on_layers(1)` raises at the first call, naming those calls, and
+    `on_layers(1, stack="decoder", kind="self")` or `on_modules(path)` chooses one.
     """
     _check_model(model, "edit")
     if not callable(fn):
@@ -823,7 +893,9 @@ def edit(model: torch.nn.Module, fn: EditFn) -> Iterator[Edit]:
             f"fn must be a callable (info, q, k, v, mask) -> output, an "
             f"sdpa.AttentionResult or None; got {_describe(fn)}"
         )
-    with _opened(Edit(fn), model, "edit") as found:
+    found = Edit(fn)
+    modules = found._lay_out(model)
+    with _opened(found, model, "edit", modules) as found:
         yield found
 
 
@@ -849,10 +921,12 @@ def _check_model(model: object, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _opened(found: Capture | Edit, model: torch.nn.Module, what: str) -> Iterator[Capture | Edit]:
+def _opened(
+    found: Capture | Edit, model: torch.nn.Module, what: str, modules: list | None = None
+) -> Iterator[Capture | Edit]:
     """`found` open on the modules of `model` (and named in this thread's context) for
-    the block."""
-    _open(found, model, what)
+    the block (modules: model.modules(), where the caller has them)."""
+    _open(found, model, what, modules)
     try:
         token = _here.set((*_here.get(), found))
         try:
@@ -863,10 +937,13 @@ def _opened(found: Capture | Edit, model: torch.nn.Module, what: str) -> Iterato
         _close(found)
 
 
-def _open(found: Capture | Edit, model: torch.nn.Module, what: str) -> None:
-    """Put `found` on every module of `model`, after the captures and edits already open
-    there; refused where one of those was opened in another thread or task."""
-    modules = list(model.modules())
+def _open(
+    found: Capture | Edit, model: torch.nn.Module, what: str, modules: list | None = None
+) -> None:
+    """Put `found` on every module of `model` (modules, where the caller listed them),
+    after the captures and edits already open there; refused where one of those was
+    opened in another thread or task."""
+    modules = list(model.modules()) if modules is None else modules
     here = _here.get()
     with _stamping:
         for m in modules:
@@ -891,6 +968,8 @@ def _close(found: Capture | Edit) -> None:
     attribute, and torch.compile traces its calls whole again."""
     with found._lock:  # a call recording now finishes first; later ones are not recorded
         found._open = False
+        if isinstance(found, Edit):
+            found._sites = {}  # keyed by id: not past the modules' lifetime
     with _stamping:
         for m in found._modules:
             rest = tuple(c for c in m.__dict__.get(_OPEN, ()) if c is not found)

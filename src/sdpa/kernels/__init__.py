@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import NamedTuple
 
 import torch
+
+from sdpa import masks, settings
+from sdpa.inputs import Inputs
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -55,3 +59,38 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None)
     if 0 in q.shape or 0 in k.shape:
         return "an empty dimension"
     return None
+
+
+class Args(NamedTuple):
+    """What the kernels take for one call: q (B, Hq, L, E), k (B, Hkv, S, E), a mask
+    tensor broadcasting to (B, Hq, L, S) (bool keep or float bias) or None, and the
+    kernels' own top-left causal flag."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+
+
+def admit(inputs: Inputs, *, raw_scores: bool = False) -> Args | None:
+    """The kernels' arguments for a call's inputs, or None where they cannot serve it:
+    not on the settings' kernel_devices, `unsupported`, a softcap or sinks (the kernels
+    score plain q . k; with raw_scores, the largest raw score, before the softcap and
+    where a sink is no key's score, they can), or a structured mask over
+    kernel_mask_bytes (it is materialised for them). The one eligibility rule of every
+    kernel read."""
+    tuning = settings.get()
+    q, k = inputs.query, inputs.key
+    if q.device.type not in tuning.kernel_devices or unsupported(q, k) is not None:
+        return None
+    if not raw_scores and (inputs.softcap is not None or inputs.sinks is not None):
+        return None
+    L, S = q.shape[2], k.shape[2]
+    rest, causal = masks.causal_flag(inputs.mask, L, S)
+    tensor, structured = masks.split(rest)
+    if structured is not None:
+        if (structured.batch or 1) * L * S > tuning.kernel_mask_bytes:
+            return None
+        keep = masks.as_4d(structured.materialize(L, S, q.device, max_bytes=None))  # (Bm|1,1,L,S)
+        tensor = masks.combine(tensor, keep)
+    return Args(q, k, tensor, causal)

@@ -1,0 +1,135 @@
+"""The fused backend's one plan (backends/fused.plan) is what runs and what it says.
+
+Every kernel call torch's CPU flash op receives is recorded (its causal flag, whether a
+mask went with it) and held to the plan of the same inputs: one call with the plan's
+mask and causal flag, one call per piece with keys, or none for no work; `served_by` and
+`sdpa.explain` print the plan's own words. Over shapes on the block edges, every mask
+form (none, causal=True, tensors with and without it, structured masks and their `&`,
+sinks), both float32 and bfloat16. The kernel's own causal path is taken wherever only
+top-left causality (ANDed with a tensor the kernel takes whole) masks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sdpa
+from sdpa import masks
+from sdpa.backends import aten, blocks, fused
+from sdpa.inputs import normalize
+
+LENGTHS = [1, 7, blocks.BLOCK_Q - 1, blocks.BLOCK_Q, blocks.BLOCK_Q + 1, 2 * blocks.BLOCK_Q + 3]
+FORMS = [
+    "none", "causal", "bool", "key padding", "float", "bool & causal", "float & causal",
+    "causal()", "window", "padding", "documents", "window & padding", "sinks & causal",
+]  # fmt: skip
+
+
+class Recorder:
+    """aten.CPU_FLASH, counting its calls: (causal flag, a mask given) each."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, q, k, v, dropout_p, causal, attn_mask=None, scale=None):
+        self.calls.append((bool(causal), attn_mask is not None))
+        return self.real(q, k, v, dropout_p, causal, attn_mask=attn_mask, scale=scale)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = Recorder(aten.CPU_FLASH)
+    monkeypatch.setattr(aten, "CPU_FLASH", rec)
+    return rec
+
+
+def _case(form: str, B: int, L: int, S: int, seed: int):
+    """(mask argument, causal flag) of a mask form."""
+    g = torch.Generator().manual_seed(seed)
+    if form in ("causal", "causal()", "bool & causal", "float & causal", "sinks & causal"):
+        S = L  # (attention's causal=True needs L == S)
+    bool_mask = torch.rand(B, 1, L, S, generator=g) > 0.3
+    float_mask = torch.randn(B, 1, L, S, generator=g)
+    pad = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    pad[-1, ..., S // 2 + 1 :] = False
+    table = {
+        "none": (None, False),
+        "causal": (None, True),
+        "bool": (bool_mask, False),
+        "key padding": (pad, False),
+        "float": (float_mask, False),
+        "bool & causal": (bool_mask, True),
+        "float & causal": (float_mask, True),
+        "causal()": (masks.causal(), False),
+        "window": (masks.sliding_window(37, align="top-left"), False),
+        "padding": (masks.padding([S, max(1, S // 3)][:B]), False),
+        "documents": (masks.documents(torch.arange(L) * 3 // max(1, L)), False),
+        "window & padding": (
+            masks.sliding_window(70, align="top-left") & masks.padding([S, S // 2 + 1][:B]),
+            False,
+        ),
+        "sinks & causal": (masks.sinks(torch.randn(2, 1, 1, generator=g)), True),
+    }
+    mask, causal = table[form]
+    if form == "documents" and L != S:
+        mask = masks.documents(torch.arange(L) * 3 // L, torch.arange(S) * 3 // S)
+    return mask, causal, S
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    form=st.sampled_from(FORMS),
+    L=st.sampled_from(LENGTHS),
+    S=st.sampled_from(LENGTHS),
+    B=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_what_ran_is_the_plan_and_what_it_says(recorder, form, L, S, B, dtype, seed):
+    mask, causal, S = _case(form, B, L, S, seed)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 2, L, 16, generator=g).to(dtype)
+    k, v = (torch.randn(B, 2, S, 16, generator=g).to(dtype) for _ in range(2))
+    inputs = normalize(q, k, v, mask, causal=causal)
+    plan = fused.plan(inputs)
+    recorder.calls.clear()
+    out, w = sdpa.attention(q, k, v, mask, causal=causal, backend="fused")
+    said = sdpa.explain(q, k, v, mask, causal=causal)
+    assert w.served_by == f"fused: {fused.Fused().path(inputs)}"
+    if said.backend == "fused":
+        assert said.path == fused.Fused().path(inputs)
+    if plan.call == "empty":
+        assert recorder.calls == []
+    elif plan.call == "one":
+        assert recorder.calls == [(plan.causal, plan.mask is not None or plan.whole)], plan
+    else:
+        calls = [p for p in plan.pieces if p.k1 > p.k0]
+        assert len(recorder.calls) == len(calls)
+        assert all(not flag for flag, _ in recorder.calls)
+        assert [m for _, m in recorder.calls] == [p.masked for p in calls]
+        assert f"{len(calls)} calls" in w.served_by
+    # the kernel's own causal path wherever top-left causality alone (or with a tensor
+    # the kernel takes whole) masks
+    if form in ("causal", "causal()", "sinks & causal") or (
+        form in ("bool & causal", "float & causal") and blocks.whole(inputs.tensor_mask, L)
+    ):
+        assert plan.call == "one" and plan.causal and "on its own causal path" in w.served_by
+    ref = sdpa.attention(q, k, v, mask, causal=causal, backend="reference").output
+    torch.testing.assert_close(
+        out.float(), ref.float(), atol=2e-2 if dtype != torch.float32 else 2e-5, rtol=0
+    )
+
+
+def test_the_common_plans_allocate_nothing():
+    """No mask and causal=True: the same plan objects every call (the fast lane)."""
+    q = torch.randn(1, 2, 8, 16)
+    assert fused.plan(normalize(q, q, q)) is fused.plan(normalize(q, q, q))
+    assert fused.plan(normalize(q, q, q, causal=True)) is fused.plan(
+        normalize(q, q, q, causal=True)
+    )
+    assert normalize(q, q, q, causal=True).mask is masks.TOP_LEFT
