@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check of issue 28 for a lent CUDA machine (an H200 with torch 2.11, triton,
-# transformers and pytest; no diffusers, nothing installable there). Steps, each under
-# its own time limit, all inside 5 minutes; one table last:
-#   1. profile   where the host time of one small call goes (scripts/gpu_profile.py)
+# transformers and pytest; no diffusers, nothing installable there). This file is the
+# entry point; the Python of its steps is in scripts/gpu_check/. Steps, each under its
+# own time limit, all inside 5 minutes; one table last:
+#   1. profile   where the host time of one small call goes (scripts/gpu_check/gpu_profile.py)
 #   2. tests     pytest -m cuda on the test files that have CUDA tests
 #   3. bench     ours vs torch's SDPA, torch's op and its LSE cost, the statistics
-#                kernels vs our forward (scripts/gpu_bench.py)
+#                kernels vs our forward (scripts/gpu_check/gpu_bench.py)
 #   4. integrations  BERT, Llama, a viewer session and a diffusers UNet step vs eager
-#                (scripts/gpu_integrations.py)
-#   5. report    the table; results as JSON (scripts/gpu_report.py)
+#                (scripts/gpu_check/gpu_integrations.py)
+#   5. report    the table; results as JSON (scripts/gpu_check/gpu_report.py)
 #
 #   bash scripts/gpu_check.sh                 on the device (from the repository root)
 #   bash scripts/gpu_check.sh --dry-run       here, on CPU at tiny sizes (or SDPA_GPU_DRY_RUN=1)
@@ -76,15 +77,15 @@ step() {  # step NAME CAP_SECONDS TAIL_LINES command...: run it, keep its log, n
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$RUN/steps.tsv"
 }
 
-step profile 25 30 "$PY" scripts/gpu_profile.py "${PROFILE[@]}" --json "$RUN/profile.json"
+step profile 25 30 "$PY" scripts/gpu_check/gpu_profile.py "${PROFILE[@]}" --json "$RUN/profile.json"
 step tests 100 25 "$PY" -m pytest -q -m cuda -p no:cacheprovider --tb=short -rfE \
   --junitxml="$RUN/pytest.xml" "${CUDA_TESTS[@]}"
-step bench 110 4 "$PY" scripts/gpu_bench.py --reps 15 "${DRY[@]}" --json "$RUN/bench.json"
-step integrations 50 4 "$PY" scripts/gpu_integrations.py "${DRY[@]}" --json "$RUN/integrations.json"
+step bench 110 4 "$PY" scripts/gpu_check/gpu_bench.py --reps 15 "${DRY[@]}" --json "$RUN/bench.json"
+step integrations 50 4 "$PY" scripts/gpu_check/gpu_integrations.py "${DRY[@]}" --json "$RUN/integrations.json"
 
 echo
 title="gpu_check$([ "$mode" = dry ] && echo ' DRY RUN (CPU, tiny sizes: the numbers mean nothing)')"
-"$PY" scripts/gpu_report.py "$RUN" --out "$RESULTS/$NAME" --title "$title"
+"$PY" scripts/gpu_check/gpu_report.py "$RUN" --out "$RESULTS/$NAME" --title "$title"
 rc=$?
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
   cp "$RESULTS/$NAME" "$RUN"/*.log "$OUT"/ 2>/dev/null

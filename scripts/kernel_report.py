@@ -11,7 +11,7 @@ bf16 FLOP at 4096 per clock), its exp2 time (16 per clock) and its issue time (4
 schedulers, one instruction per clock); the whole-shape floor multiplies it by the
 tiles per SM of (8, 16, 8192, 128) dense at 1.98 GHz. A floor, not a prediction: it
 ignores latency, memory and how well the tiles' stages overlap (the device measures
-that: scripts/gpu_bench.py).
+that: scripts/gpu_check/gpu_bench.py).
 """
 
 from __future__ import annotations

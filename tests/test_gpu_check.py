@@ -1,5 +1,7 @@
 """scripts/gpu_check.sh --dry-run: every step of the device check runs here on CPU at
-tiny sizes, and the one table and the merged JSON say so.
+tiny sizes, and the one table and the merged JSON say so. The entry point is
+scripts/gpu_check.sh (the team's instructions for a lent GPU name it); the Python of its
+steps is in scripts/gpu_check/.
 
 The device itself is lent only to some tasks; this keeps the script from rotting
 between loans: a step that breaks (an import, a renamed function, a check that cannot
@@ -16,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from loader import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("transformers")
@@ -80,11 +84,7 @@ def test_unknown_arguments_are_refused():
 
 
 def _report(run: Path, capsys) -> tuple[int, str, dict]:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import gpu_report
-    finally:
-        sys.path.pop(0)
+    gpu_report = load_file("scripts/gpu_check/gpu_report.py")
     rc = gpu_report.main([str(run), "--out", str(run / "merged.json")])
     return rc, capsys.readouterr().out, json.loads((run / "merged.json").read_text())
 

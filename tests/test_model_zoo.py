@@ -9,10 +9,10 @@ sdpa refuses it with the message zoo.EXPECTED_REFUSALS gives, or when it differs
 zoo.KNOWN_DIFFERENCES says (reviewed: not sdpa's to fix). Model types on
 zoo.CANNOT_APPLY (reviewed, each with its reason: they cannot be built tiny or run here)
 are not collected; every other outcome fails, so a new mismatch is never silent.
-scripts/model_zoo.py runs those too and says when one of them starts to run.
+tests/model_zoo.py runs those too and says when one of them starts to run.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -m zoo        # the zoo alone
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/model_zoo.py    # the longer sweep, as JSON
+    HF_HUB_OFFLINE=1 .venv/bin/python tests/model_zoo.py      # the longer sweep, as JSON
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ the unmasked loop (the next tile's product runs while this tile's exponentials d
 the larger GEMM tile.
 
 `use(config)` forces one config in this context (tests run the sm90 tiles under the
-interpreter with it; scripts/gpu_bench.py times the unpipelined variant with it).
+interpreter with it; scripts/gpu_check/gpu_bench.py times the unpipelined variant with it).
 """
 
 from __future__ import annotations

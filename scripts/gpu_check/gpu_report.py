@@ -1,7 +1,7 @@
 """The one table of scripts/gpu_check.sh: every step's results from its run folder,
 printed together and written as one JSON.
 
-    python3 scripts/gpu_report.py RUN_DIR --out benchmarks/results/gpu_check.json
+    python3 scripts/gpu_check/gpu_report.py RUN_DIR --out benchmarks/results/gpu_check.json
 
 RUN_DIR holds what the steps wrote: profile.json, pytest.xml, bench.json,
 integrations.json and steps.tsv (step, exit status, seconds). A step that wrote nothing

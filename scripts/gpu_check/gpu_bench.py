@@ -1,8 +1,8 @@
 """GPU benchmark: sdpa against torch's SDPA, the op torch picks and what its LSE costs,
 and the single-pass statistics kernels against our forward, as one table.
 
-    PYTHONPATH=src python3 scripts/gpu_bench.py [--reps 15] [--flex] [--json out.json]
-    PYTHONPATH=src TRITON_INTERPRET=1 python3 scripts/gpu_bench.py --dry-run   # CPU
+    PYTHONPATH=src python3 scripts/gpu_check/gpu_bench.py [--reps 15] [--flex] [--json out.json]
+    PYTHONPATH=src TRITON_INTERPRET=1 python3 scripts/gpu_check/gpu_bench.py --dry-run   # CPU
 
 bf16, the seed's shapes (1, 8, 4, 32) text and (1, 4, 4096, 32) U-Net and
 (8, 16, 8192, 128), dense and causal. Each case times its contenders interleaved

@@ -1,7 +1,7 @@
 """The integrations on a GPU, each against the same model's eager run on the same device.
 
-    PYTHONPATH=src HF_HUB_OFFLINE=1 python3 scripts/gpu_integrations.py [--json out.json]
-    PYTHONPATH=src HF_HUB_OFFLINE=1 python3 scripts/gpu_integrations.py --dry-run   # CPU
+    PYTHONPATH=src HF_HUB_OFFLINE=1 python3 scripts/gpu_check/gpu_integrations.py [--json out.json]
+    PYTHONPATH=src HF_HUB_OFFLINE=1 python3 scripts/gpu_check/gpu_integrations.py --dry-run   # CPU
 
 Random-init models built from configs (nothing downloaded, nothing carried):
 - bert: a MiniLM-shaped BERT (6 layers, 12 heads of 32, hidden 384) through

@@ -1,7 +1,7 @@
 """Every TransformerLens architecture, tiny, on sdpa against TransformerLens on eager.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/tl_zoo.py --json benchmarks/results/tl_zoo.json
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/tl_zoo.py --only LlamaForCausalLM,GPT2LMHeadModel
+    HF_HUB_OFFLINE=1 .venv/bin/python tests/tl_zoo.py --json benchmarks/results/tl_zoo.json
+    HF_HUB_OFFLINE=1 .venv/bin/python tests/tl_zoo.py --only LlamaForCausalLM,GPT2LMHeadModel
 
 For each architecture TransformerLens 4 supports (its SUPPORTED_ARCHITECTURES) that
 transformers has a class for: the model type's config made tiny by tests/zoo.py's
@@ -36,11 +36,9 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
 ATOL = 1e-5
 TOKENS = (2, 12)

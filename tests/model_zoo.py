@@ -1,7 +1,7 @@
 """Every transformers architecture, tiny, on sdpa against eager: the long sweep.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/model_zoo.py --json zoo.json
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/model_zoo.py --only llama,gpt2 --tokens 8
+    HF_HUB_OFFLINE=1 .venv/bin/python tests/model_zoo.py --json zoo.json
+    HF_HUB_OFFLINE=1 .venv/bin/python tests/model_zoo.py --only llama,gpt2 --tokens 8
 
 Runs tests/zoo.py's comparison for each model type in worker processes (one crash or
 hang costs one model type, not the sweep), writes every result and the counts per
@@ -24,7 +24,6 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

@@ -1,6 +1,7 @@
 """Where the host time of one small attention call goes: the first step of gpu_check.
 
-    PYTHONPATH=src python3 scripts/gpu_profile.py [--device cuda] [--calls 1000] [--json out]
+    PYTHONPATH=src python3 scripts/gpu_check/gpu_profile.py [--device cuda] [--calls 1000]
+        [--json out]
 
 At the seed's text shape (1, 8, 4, 32) bf16 the GPU work is a few microseconds, so a
 call costs what Python and torch's dispatch spend preparing it. This times `calls`

@@ -1,0 +1,105 @@
+"""benchmarks/ab_bench.py is a check: a case more than --threshold worse (default 1.05)
+or measured on one side only fails it, named; the benchmarks themselves are not run here
+(each run is a fake of the ratios a benchmark's JSON gives)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def ab(monkeypatch):
+    """The script as a module, in sys.modules while it runs (its dataclass looks there)."""
+    spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "benchmarks/ab_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ab_bench", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cases_of_both_sides_are_compared_by_their_medians(ab):
+    runs = {"base": [{"a": 1.0}, {"a": 1.5}, {"a": 1.25}], "head": [{"a": 1.25}, {"a": 1.75}]}
+    report = ab.compare(runs, threshold=1.05)
+    assert report.cases["a"] == {"base": 1.25, "head": 1.5, "head/base": 1.2}
+    assert report.worse == ["a"] and not report.ok
+
+
+def test_the_threshold_is_a_bound_on_head_over_base(ab):
+    fine = {"base": [{"a": 1.0}], "head": [{"a": 1.049}]}
+    assert ab.compare(fine, 1.05).ok
+    assert ab.compare({"base": [{"a": 1.0}], "head": [{"a": 1.051}]}, 1.05).worse == ["a"]
+    assert ab.compare({"base": [{"a": 1.0}], "head": [{"a": 1.051}]}, 1.10).ok
+
+
+def test_a_case_on_one_side_only_fails_and_is_listed(ab):
+    runs = {"base": [{"a": 1.0, "old": 1.0}], "head": [{"a": 1.0, "new": 2.0}]}
+    report = ab.compare(runs, 1.05)
+    assert set(report.cases) == {"a"} and not report.worse
+    assert report.one_sided == {"old": "not in 1 of 1 head runs", "new": "not in 1 of 1 base runs"}
+    assert not report.ok
+    flaky = {"base": [{"a": 1.0}, {"a": 1.0}], "head": [{"a": 1.0}, {}]}
+    assert ab.compare(flaky, 1.05).one_sided == {"a": "not in 1 of 2 head runs"}
+
+
+def _fake_runs(monkeypatch, ab, tmp_path, per_side):
+    """main() with the worktree and the runs faked: per_side[side] is each run's ratios."""
+    calls = []
+
+    @contextlib.contextmanager
+    def base_tree(commit):
+        yield tmp_path
+
+    def run(tree, bench, only, quick):
+        side = "base" if tree == tmp_path else "head"
+        calls.append((side, bench))
+        return per_side[side]
+
+    monkeypatch.setattr(ab, "base_tree", base_tree)
+    monkeypatch.setattr(ab, "_check_import", lambda tree: None)
+    monkeypatch.setattr(ab, "_run", run)
+    return calls
+
+
+def test_main_exits_nonzero_on_a_worse_or_one_sided_case(ab, monkeypatch, tmp_path, capsys):
+    same = {"case one": 0.5, "case two": 2.0}
+    calls = _fake_runs(monkeypatch, ab, tmp_path, {"base": same, "head": same})
+    out = tmp_path / "ab.json"
+    assert ab.main(["--base", "HEAD", "--rounds", "2", "bench_x.py", "--json", str(out)]) == 0
+    # A B, then B A; the default threshold is 5%
+    assert calls == [("base", "bench_x"), ("head", "bench_x"), ("head", "bench_x"),
+                     ("base", "bench_x")]  # fmt: skip
+    assert json.loads(out.read_text())["threshold"] == 1.05
+    capsys.readouterr()
+
+    _fake_runs(monkeypatch, ab, tmp_path, {"base": same, "head": {**same, "case two": 2.2}})
+    assert ab.main(["--base", "HEAD", "bench_x", "--json", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "case two" in printed and "WORSE" in printed and "1 worse than 1.05x" in printed
+    assert json.loads(out.read_text())["worse"] == ["bench_x: case two"]
+
+    _fake_runs(monkeypatch, ab, tmp_path, {"base": same, "head": {"case one": 0.5}})
+    assert ab.main(["--base", "HEAD", "bench_x", "--json", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "case two" in printed and "ONE SIDE ONLY" in printed
+    assert json.loads(out.read_text())["one_sided"] == {
+        "bench_x: case two": "not in 3 of 3 head runs"
+    }
+
+
+def test_a_run_that_cannot_be_made_exits_2(ab, monkeypatch, tmp_path, capsys):
+    @contextlib.contextmanager
+    def base_tree(commit):
+        yield tmp_path  # an empty folder: no benchmarks/, no src/
+
+    monkeypatch.setattr(ab, "base_tree", base_tree)
+    monkeypatch.setattr(ab, "_check_import", lambda tree: None)
+    assert ab.main(["--base", "HEAD", "bench_core"]) == 2
+    assert "benchmarks/bench_core.py does not exist" in capsys.readouterr().err
