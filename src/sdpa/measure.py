@@ -34,10 +34,25 @@ def peak_mib_of(fn: Callable[[], object]) -> float:
 
 def peak_mib_in_subprocess(argv: list[str], timeout: float = 900) -> float:
     """Run `python *argv` in a fresh interpreter; it must print the MiB last."""
-    out = subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, check=True, timeout=timeout
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+    return peaks_mib_in_subprocesses([argv], timeout)[0]
+
+
+def peaks_mib_in_subprocesses(argvs: list[list[str]], timeout: float = 900) -> list[float]:
+    """Run each `python *argv` in a fresh interpreter of its own, all at once: each reads
+    its own process's peak, so running side by side changes no figure (it does change
+    times: measure those before). Each must print the MiB last."""
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    procs = [subprocess.Popen([sys.executable, *argv], **pipes) for argv in argvs]
+    try:
+        done = [(p, *p.communicate(timeout=timeout)) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:  # a timeout, or an interrupt: none is left running
+                p.kill()
+    for p, _, err in done:
+        if p.returncode != 0:
+            raise subprocess.CalledProcessError(p.returncode, p.args, stderr=err)
+    return [float(out.strip().splitlines()[-1]) for _, out, _ in done]
 
 
 def median_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:

@@ -16,7 +16,7 @@ import torch
 
 import sdpa
 from sdpa import listing
-from sdpa.measure import median_ms, peak_mib_in_subprocess, peak_mib_of
+from sdpa.measure import median_ms, peak_mib_of, peaks_mib_in_subprocesses
 
 
 def picture(size: int) -> torch.Tensor:
@@ -86,11 +86,8 @@ def main(size: int = 64, out_dir: Path | None = None) -> list[str]:
         out, w = block(x)
         ms = {name: median_ms(fn, reps=3) for name, fn in calls(block, x).items()}
         agree = (out - listing.spatial_block(block, x)).abs().max().item()
-    mib = {
-        name: peak_mib_in_subprocess(["-m", "sdpa.examples.unet_attention", "--size",
-                                      str(size), "--peak", name])
-        for name in ms
-    }  # fmt: skip
+    argv = ["-m", "sdpa.examples.unet_attention", "--size", str(size), "--peak"]
+    mib = dict(zip(ms, peaks_mib_in_subprocesses([[*argv, name] for name in ms]), strict=True))
     pixels = size * size
     lines = [
         f"U-Net map {tuple(x.shape)}: 4 heads over {pixels} pixels -> output "
