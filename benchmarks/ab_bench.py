@@ -8,7 +8,7 @@ the median ratio to the peer under each, and their quotient (this tree's ratio o
 base's). It is a check: the exit status is 1 when a case's quotient is above
 --threshold (default 1.05: more than 5% worse, flagged WORSE) or when a case was
 measured on one side only (listed: a case renamed, added or lost is never compared
-silently); 2 when a run could not be made.
+silently); 2 when a run could not be made (the other benchmarks are still compared).
 
     python benchmarks/ab_bench.py --base 0bc6774 --rounds 3 bench_decode bench_weights
     python benchmarks/ab_bench.py --base 0bc6774 --only "decode float32" bench_decode
@@ -59,13 +59,44 @@ def _check_import(tree: Path) -> None:
         )
 
 
+# bench_ring is not built on sdpa.benchmark: its rows are (impl, mode, ranks, seconds),
+# every run measures its ranks' memory, and it takes neither --only nor --quick; a case is
+# "MODE, R ranks", its ratio ring_attention's seconds over the whole sequence's on one
+# process in the same mode (its peer, the row with impl WHOLE).
+RING = "bench_ring"
+WHOLE = "sdpa.attention (whole sequence)"
+
+
+def _ring_ratios(results: object) -> list[dict] | None:
+    """bench_ring's rows as (case, peer, ratio) rows, or None where they are not its."""
+    keys = {"impl", "mode", "ranks", "seconds"}
+    if not isinstance(results, list) or not all(
+        isinstance(r, dict) and keys <= set(r) for r in results
+    ):
+        return None
+    whole = {r["mode"]: r["seconds"] for r in results if r["impl"] == WHOLE}
+    return [
+        {
+            "case": f"{r['mode']}, {r['ranks']} ranks",
+            "peer": WHOLE,
+            "ratio": r["seconds"] / whole[r["mode"]],
+        }
+        for r in results
+        if r["impl"] != WHOLE and r["mode"] in whole
+    ]
+
+
 def _run(tree: Path, bench: str, only: str | None, quick: bool) -> dict[str, float]:
     """{case: ours / peer} of one run of benchmarks/`bench`.py in `tree`."""
     script = tree / "benchmarks" / f"{bench}.py"
     if not script.is_file():
         raise RunError(f"{script.relative_to(tree)} does not exist in {tree}")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, str(script), "--no-memory", "--json", out.name]
+        cmd = [sys.executable, str(script), "--json", out.name]
+        if bench == RING and (only or quick):
+            raise RunError(f"{bench} takes neither --only nor --quick (compare it whole)")
+        if bench != RING:
+            cmd.append("--no-memory")
         if only:
             cmd += ["--only", only]
         if quick:
@@ -77,6 +108,7 @@ def _run(tree: Path, bench: str, only: str | None, quick: bool) -> dict[str, flo
                 + (done.stderr or done.stdout)[-2000:]
             )
         results = json.loads(Path(out.name).read_text()).get("results")
+    results = _ring_ratios(results) if bench == RING else results
     if not isinstance(results, list) or not all(
         isinstance(r, dict) and {"case", "peer", "ratio"} <= set(r) for r in results
     ):
@@ -162,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 1 and --threshold above 0")
     benches = [Path(b).name.removesuffix(".py") for b in args.benches]
     reports: dict[str, Report] = {}
+    failed: dict[str, str] = {}  # bench -> why no comparison was made (the others go on)
     try:
         with base_tree(args.base) as base:
             trees = {"base": base, "head": ROOT}
@@ -169,9 +202,14 @@ def main(argv: list[str] | None = None) -> int:
                 _check_import(tree)
             for bench in benches:
                 runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
-                for r in range(args.rounds):
-                    for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                        runs[side].append(_run(trees[side], bench, args.only, args.quick))
+                try:
+                    for r in range(args.rounds):
+                        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                            runs[side].append(_run(trees[side], bench, args.only, args.quick))
+                except RunError as e:
+                    failed[bench] = str(e)
+                    print(f"ab_bench: error: {e}", file=sys.stderr, flush=True)
+                    continue
                 reports[bench] = compare(runs, args.threshold)
                 _print(bench, reports[bench])
     except RunError as e:
@@ -190,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             "worse": worse,
             "one_sided": {f"{b}: {c}": why for b, rep in reports.items()
                           for c, why in rep.one_sided.items()},
+            "failed": failed,
         }, indent=1))  # fmt: skip
+    if failed:
+        print(f"ab_bench: no comparison for {', '.join(failed)}", file=sys.stderr)
+        return 2
     return 0 if not worse and not one_sided else 1
 
 

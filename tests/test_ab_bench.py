@@ -103,3 +103,40 @@ def test_a_run_that_cannot_be_made_exits_2(ab, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(ab, "_check_import", lambda tree: None)
     assert ab.main(["--base", "HEAD", "bench_core"]) == 2
     assert "benchmarks/bench_core.py does not exist" in capsys.readouterr().err
+
+
+def test_a_failing_benchmark_does_not_stop_the_others(ab, monkeypatch, tmp_path, capsys):
+    calls = _fake_runs(monkeypatch, ab, tmp_path, {"base": {"a": 1.0}, "head": {"a": 1.0}})
+    faked = ab._run
+
+    def run(tree, bench, only, quick):
+        if bench == "bench_broken":
+            raise ab.RunError("bench_broken exited with status 1")
+        return faked(tree, bench, only, quick)
+
+    monkeypatch.setattr(ab, "_run", run)
+    out = tmp_path / "ab.json"
+    assert (
+        ab.main(["--base", "HEAD", "--rounds", "1", "bench_broken", "bench_x", "--json", str(out)])
+        == 2
+    )
+    assert calls == [("base", "bench_x"), ("head", "bench_x")]  # compared after the failure
+    assert json.loads(out.read_text())["failed"] == {
+        "bench_broken": "bench_broken exited with status 1"
+    }
+    assert "no comparison for bench_broken" in capsys.readouterr().err
+
+
+def test_the_ring_benchmark_rows_compare_to_the_whole_sequence(ab):
+    """bench_ring writes (impl, mode, ranks, seconds): each ring row over the whole
+    sequence's seconds in its mode; the whole-sequence rows are the peers, not cases."""
+    rows = [
+        {"impl": ab.WHOLE, "mode": "dense", "ranks": 1, "seconds": 10.0},
+        {"impl": "ring_attention", "mode": "dense", "ranks": 1, "seconds": 11.0},
+        {"impl": "ring_attention", "mode": "dense", "ranks": 4, "seconds": 12.5},
+        {"impl": ab.WHOLE, "mode": "causal zigzag", "ranks": 1, "seconds": 5.0},
+        {"impl": "ring_attention", "mode": "causal zigzag", "ranks": 2, "seconds": 4.0},
+    ]
+    got = {r["case"]: r["ratio"] for r in ab._ring_ratios(rows)}
+    assert got == {"dense, 1 ranks": 1.1, "dense, 4 ranks": 1.25, "causal zigzag, 2 ranks": 0.8}
+    assert ab._ring_ratios([{"case": "x", "peer": "y", "ratio": 1.0}]) is None
