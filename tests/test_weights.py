@@ -61,10 +61,12 @@ def test_weights_carry_their_gradient_only_where_asked(gen):
         assert not w.full().requires_grad and not w.sum().requires_grad
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["mask", "mask_and_causal"])
 @pytest.mark.parametrize("which", ["query", "key", "mask"])
-def test_in_place_change_after_the_call_is_refused(gen, which):
-    q, k, v, mask = make_inputs(gen, mask_kind="bool")
-    w = sdpa.attention(q, k, v, mask).weights
+def test_in_place_change_after_the_call_is_refused(gen, which, causal):
+    """Also with causal=True, where the mask is held beside the causality (TensorAnd)."""
+    q, k, v, mask = make_inputs(gen, mask_kind="bool", L=9, S=9)  # (causal: L == S)
+    w = sdpa.attention(q, k, v, mask, causal=causal).weights
     w.full()  # fine before the change
     changed = {"query": q, "key": k, "mask": mask}[which]
     changed.copy_(changed.clone())  # same values, but written in place

@@ -59,7 +59,7 @@ def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
     traced tensors have no counter to read)."""
     if torch.compiler.is_compiling():
         return None, None, None
-    q, k, mask = inputs.query, inputs.key, inputs.mask
+    q, k, mask = inputs.query, inputs.key, inputs.tensor_mask  # (a TensorAnd's tensor)
     try:  # the common case: plain tensors, none made under inference_mode
         return q._version, k._version, None if mask is None else mask._version
     except (AttributeError, RuntimeError):
@@ -189,7 +189,7 @@ class AttentionWeights:
         if _versions(self._inputs) == self._versions:
             return
         i = self._inputs
-        now = (version_of(i.query), version_of(i.key), version_of(i.mask))
+        now = (version_of(i.query), version_of(i.key), version_of(i.tensor_mask))
         if now != self._versions:
             changed = [
                 n
