@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import io
 import os
+import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -387,3 +389,41 @@ def test_a_compiled_model_is_captured_block_after_block_without_new_graphs(lms, 
     with torch.no_grad():  # the blocks have closed: the model traces with no break again
         explained = torch._dynamo.explain(a)(input_ids=x, use_cache=False)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def _saved_and_loaded(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_a_capture_saves_loads_and_copies(lms):
+    """torch.save / torch.load(weights_only=True), pickle and deepcopy of a closed
+    capture: the handles read as the originals, the statistics are equal (detached)."""
+    a, _ = lms
+    x = ids(9, B=2)
+    a.train()  # q and k require grad: the statistics carry gradients, the copies none
+    stats = ("entropy", "received", "last_row", "max_logits")
+    with capture(a, stats=stats, keep=True, on_call=lambda layer, w: None) as cap:
+        a(input_ids=x, use_cache=False)
+    a.eval()
+    refused = pytest.raises(sdpa.NotSupportedError, match="inside its `with` block")
+    with refused, capture(a) as open_capture:
+        torch.save(open_capture, io.BytesIO())
+    for twin in (_saved_and_loaded(cap), pickle.loads(pickle.dumps(cap)), copy.deepcopy(cap)):
+        assert type(twin) is sdpa_hf.Capture and twin.on_call is None
+        assert len(twin.weights) == len(cap.weights) == LAYERS
+        for w, original in zip(twin.weights, cap.weights, strict=True):
+            torch.testing.assert_close(w.full(), original.full().detach(), rtol=0, atol=0)
+        for stat in ("entropy", "last_row", "max_logits"):
+            got, want = getattr(twin, stat), getattr(cap, stat)
+            assert got.keys() == want.keys()
+            for layer in want:
+                for g, t in zip(got[layer], want[layer], strict=True):
+                    assert not g.requires_grad
+                    torch.testing.assert_close(g, t.detach(), rtol=0, atol=0)
+        assert twin.received.keys() == cap.received.keys()
+        for layer, r in cap.received.items():
+            torch.testing.assert_close(twin.received[layer], r.detach(), rtol=0, atol=0)
+    assert any(t.requires_grad for ts in cap.entropy.values() for t in ts)  # (the originals)

@@ -326,6 +326,45 @@ def and_top_left(mask: torch.Tensor | Mask | None) -> torch.Tensor | Mask | Tens
     return TensorAnd(mask, TOP_LEFT)
 
 
+def state_of(mask: object) -> object:
+    """A call's mask as saved data: None, a tensor (detached), or a tuple naming one of
+    sdpa's structured masks with its parameters (tensors, numbers, strings), so a saved
+    AttentionWeights loads with torch.load(..., weights_only=True). A Mask subclass of
+    your own is kept as the object (pickled by its class)."""
+    if mask is None or isinstance(mask, torch.Tensor):
+        return mask if mask is None else mask.detach()
+    if mask.__class__ is TensorAnd:
+        return ("and", mask.tensor.detach(), state_of(mask.structured))
+    if mask.__class__ is _Band:
+        return ("band", mask.size, mask.align, mask._name)
+    if mask.__class__ is _Padding:
+        return ("padding", mask.lengths.detach())
+    if mask.__class__ is _Documents:
+        return ("documents", mask.q_ids.detach(), mask.k_ids.detach(), mask.batch is not None)
+    if mask.__class__ is _Combined:
+        return ("combined", state_of(mask.a), state_of(mask.b), mask.op)
+    return mask
+
+
+def from_state(state: object) -> object:
+    """state_of's inverse (top-left causality comes back as the one TOP_LEFT)."""
+    if not isinstance(state, tuple):
+        return state
+    kind, *args = state
+    if kind == "and":
+        return TensorAnd(args[0], from_state(args[1]))
+    if kind == "band":
+        top_left = (TOP_LEFT.size, TOP_LEFT.align, TOP_LEFT._name)
+        return TOP_LEFT if tuple(args) == top_left else _Band(*args)
+    if kind == "padding":
+        return _Padding(args[0])
+    if kind == "documents":
+        return _Documents(*args)
+    if kind == "combined":
+        return _Combined(from_state(args[0]), from_state(args[1]), args[2])
+    raise SdpaValueError(f"a saved mask of unknown kind {kind!r} (saved by a newer sdpa?)")
+
+
 def causal_flag(
     mask: torch.Tensor | Mask | TensorAnd | None, L: int, S: int
 ) -> tuple[torch.Tensor | Mask | None, bool]:

@@ -22,6 +22,8 @@ costs about as much.)
 from __future__ import annotations
 
 import contextlib
+import copy
+import copyreg
 import itertools
 import math
 import operator
@@ -31,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from sdpa import grads, kernels, masks, rows, settings, tile
-from sdpa.backends import small
+from sdpa.backends import BACKENDS, small
 from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
@@ -59,11 +61,11 @@ def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
     traced tensors have no counter to read)."""
     if torch.compiler.is_compiling():
         return None, None, None
-    q, k, mask = inputs.query, inputs.key, inputs.tensor_mask  # (a TensorAnd's tensor)
+    q, k, mask = inputs.query, inputs.key, inputs.mask
     try:  # the common case: plain tensors, none made under inference_mode
         return q._version, k._version, None if mask is None else mask._version
-    except (AttributeError, RuntimeError):
-        return version_of(q), version_of(k), version_of(mask)
+    except (AttributeError, RuntimeError):  # (a structured mask; with a tensor: TensorAnd)
+        return version_of(q), version_of(k), version_of(inputs.tensor_mask)
 
 
 class MaxLogits(NamedTuple):
@@ -575,11 +577,85 @@ class AttentionWeights:
                 f"receives), got dim={dim}; over the keys (dim=-1) every row sums to 1"
             )
 
+    # -- saving and copying ----------------------------------------------------------
+
+    def __reduce_ex__(self, protocol: int):
+        """pickle and torch.save keep the recipe, detached: q, k, the mask, the LSE and
+        the sinks (O(L x E) for q and k), not the weights (except those the call kept
+        because they are small: the small backend's, at most small_weights bytes); the
+        copy reads
+        exactly as this handle and carries no gradient. torch.load(..., weights_only=
+        True) loads it (sdpa allowlists this class). A stale handle refuses."""
+        return copyreg.__newobj__, (AttentionWeights,), self._state()
+
+    def __deepcopy__(self, memo: dict) -> AttentionWeights:
+        """A detached copy of the recipe (q, k, the mask, LSE, sinks cloned): reads as
+        this handle, carries no gradient, and never goes stale through the originals."""
+        twin = AttentionWeights.__new__(AttentionWeights)
+        twin.__setstate__(copy.deepcopy(self._state(), memo))
+        return twin
+
+    def _state(self) -> dict:
+        """What a saved or copied handle holds: tensors (detached; a view of a larger
+        tensor compacted), numbers, strings, tuples and a dict."""
+        self._check_fresh()
+        i = self._inputs
+        return {
+            "format": 1,
+            "query": _compact(i.query),
+            "key": _compact(i.key),
+            "value": i.value.detach().new_zeros(()).expand(i.value.shape),  # (shape only)
+            "mask": _compact_mask(masks.state_of(i.mask)),
+            "scale": i.scale,
+            "dropout_p": i.dropout_p,
+            "lead": tuple(i.lead),
+            "softcap": i.softcap,
+            "sinks": None if i.sinks is None else _compact(i.sinks),
+            "lse": _compact(self._log_sum_exp()),
+            # the weights themselves where the call kept them (the small backend, under
+            # its small_weights bytes): the copy then reads them as this handle does
+            "probs": None if self._probs is None else self._probs.detach(),
+            "backend": None if self._backend is None else self._backend.name,
+            "frozen": self._frozen,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        if state.get("format") != 1:
+            raise SdpaValueError(
+                f"saved AttentionWeights of format {state.get('format')!r}; this sdpa "
+                f"reads format 1 (saved by a newer sdpa?)"
+            )
+        inputs = Inputs(
+            state["query"], state["key"], state["value"], masks.from_state(state["mask"]),
+            state["scale"], state["dropout_p"], tuple(state["lead"]), state["softcap"],
+            state["sinks"],
+        )  # fmt: skip
+        name = state["backend"]
+        self._inputs, self._lse, self._probs = inputs, state["lse"], state["probs"]
+        self._versions = _versions(inputs)
+        self._backend = None if name is None else BACKENDS.get(name)
+        self._frozen = state["frozen"]
+
     def _every_row(self) -> rows.Rows:
         return rows.Rows.every(self._inputs, self._log_sum_exp())
 
 
 # -- providers -----------------------------------------------------------------------
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """t detached, copied where it views a larger storage (a head slice of a fused QKV
+    projection, a KV cache's first S rows), so what is saved is t's own elements."""
+    t = t.detach()
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
+def _compact_mask(state: object) -> object:
+    if isinstance(state, torch.Tensor):
+        return _compact(state)
+    if isinstance(state, tuple):
+        return tuple(_compact_mask(part) for part in state)
+    return state
 
 
 def _has_held(w: AttentionWeights) -> bool:
@@ -1028,3 +1104,8 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | tor
             raise SdpaValueError(f"slice step must be positive, got {item.step} for dim {dim}")
         out.append(item)
     return out
+
+
+# torch.load(..., weights_only=True) of a saved handle: its state is tensors, numbers,
+# strings, tuples and a dict (AttentionWeights._state); only the class is allowlisted.
+torch.serialization.add_safe_globals([AttentionWeights])

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copyreg
 import importlib
 import inspect
 import sys
@@ -191,6 +192,20 @@ class Capture:
     _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)  # while open
     # one call at a time from worker threads (re-entrant: on_call may run the model)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    def __reduce_ex__(self, protocol: int):
+        """pickle and torch.save keep what was collected (weights handles, statistics,
+        detached), not the block's state or on_call (a closed capture calls nothing);
+        torch.load(..., weights_only=True) loads it (sdpa allowlists the class)."""
+        if self._open:
+            raise NotSupportedError(
+                "saving a capture inside its `with` block: save it after the block closes"
+            )
+        data = {name: getattr(self, name) for name in _SAVED}
+        return copyreg.__newobj__, (Capture,), _detached(data)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**{name: state[name] for name in _SAVED})
 
     def _record(
         self, module: torch.nn.Module, weights: AttentionWeights, kv_heads: int, sliding: bool
@@ -772,6 +787,24 @@ def _uses_ours(model: torch.nn.Module) -> bool:
     """Whether the model or any sub-model runs on an sdpa attention function."""
     configs = [getattr(m, "config", None) for m in model.modules()]
     return any(_registered_as_ours(getattr(c, "_attn_implementation", None)) for c in configs)
+
+
+# What a saved capture keeps (Capture.__reduce_ex__).
+_SAVED = ("weights", "received", "entropy", "last_row", "max_logits", "stats", "keep")
+
+torch.serialization.add_safe_globals([Capture])
+
+
+def _detached(x: object) -> object:
+    """x with every tensor in it detached (lists and dicts walked; handles as they are:
+    saving one detaches it)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, dict):
+        return {key: _detached(value) for key, value in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_detached(value) for value in x)
+    return x
 
 
 @contextlib.contextmanager
