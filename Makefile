@@ -17,6 +17,10 @@
 # PyPI's CUDA build (download.pytorch.org's CPU wheels are out of reach): 5.6 GB with its
 # nvidia wheels. While the floor is the pinned torch, the pinned suite is the floor's run.
 # `make test` runs the matrix after the pinned suite.
+# pytest-xdist runs each suite in PYTEST_WORKERS processes (one per core of the 2-core
+# machine CI runs on; tests/conftest.py gives each worker its share of the threads): about
+# 10 minutes for the pinned suite where one process takes 14, as a third of it waits on
+# the subprocesses it starts (the command, examples, ring ranks).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -27,9 +31,10 @@ KVPY := $(KVENV)/bin/python
 KVPIP := $(KVPY) -m pip --disable-pip-version-check -q
 TORCH_floor := 2.13.0
 TORCH_newest := 2.14.1
+PYTEST_WORKERS ?= 2
 # (a floor equal to the pinned torch is the pinned suite's: the matrix adds the newest only)
 MATRIX := $(if $(filter torch==$(TORCH_floor),$(TORCH)),,floor) newest
-MATRIX_PYTEST := -x -q -p no:cacheprovider
+MATRIX_PYTEST := -x -q -p no:cacheprovider -n $(PYTEST_WORKERS)
 MATRIX_EXCLUDED := $(addprefix tests/,$(shell sed -e 's/\#.*//' tests/torch_matrix.txt | awk '{print $$1}'))
 MATRIX_TESTS := $(filter-out $(MATRIX_EXCLUDED),$(sort $(wildcard tests/test_*.py)))
 
@@ -114,7 +119,7 @@ demo: $(VENV)/.demo
 test: $(VENV)/.dev $(KVENV)/.kvpress chromium
 	$(PY) -m ruff check src tests benchmarks scripts
 	$(PY) -m ruff format --check src tests benchmarks scripts
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS)
 	HF_HUB_OFFLINE=1 $(KVPY) -m pytest -q -m kvpress tests/test_kvpress.py
 	$(MAKE) test-torch-matrix
 

@@ -42,7 +42,10 @@ if not torch.cuda.is_available():
     # tests/test_triton.py runs the kernels interpreted on CPU whatever the order.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# Two threads at most; one per worker when pytest-xdist runs the suite in several
+# processes (`make test` runs one per core: more threads than cores would only queue).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
 
 
 @pytest.fixture(autouse=True)

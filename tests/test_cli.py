@@ -82,7 +82,7 @@ def test_demo_writes_its_pictures_and_tables(tmp_path):
 
 
 @needs_hf
-def test_show_draws_any_text_and_refuses_bad_arguments(tmp_path):
+def test_show_draws_any_text(tmp_path):
     png = tmp_path / "att.png"
     r = run("-m", "sdpa", "show", "The bank was closed.", "--layer", "5", "--out", str(png))
     assert r.returncode == 0, r.stderr
@@ -95,21 +95,32 @@ def test_show_draws_any_text_and_refuses_bad_arguments(tmp_path):
     long = tmp_path / "long.png"  # 300 tokens: a picture of bounded size
     assert run("-m", "sdpa", "show", " ".join(["word"] * 298), "--out", str(long)).returncode == 0
     assert max(png_size(long)) < 4000
-    for args, message in (
+
+
+# one case a test: each runs the command in a process of its own (~10 s), and
+# `make test`'s workers share them
+@needs_hf
+@pytest.mark.parametrize(
+    "args, message",
+    [
         (["x", "--layer", "9"], "--layer must be in 0..5, got 9"),
         (["   "], "TEXT is empty"),
         (["\u200b"], "TEXT is empty"),
         (["x", "--head", "12"], "--head must be 'all' or in 0..11, got '12'"),
         (["x", "--head", "\u00b2"], "--head must be 'all' or in 0..11"),
         ([" ".join(["word"] * 600)], "TEXT has 602 tokens; all-MiniLM-L6-v2 reads at most 512"),
-        (["x", "--out", str(tmp_path / "x.txt")], "--out must be a .png file"),
-    ):
-        r = run("-m", "sdpa", "show", *args, *([] if "--out" in args else
-                                               ["--out", str(tmp_path / "no.png")]))  # fmt: skip
-        assert r.returncode == 2 and "Traceback" not in r.stderr
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"sdpa show: error: {message}")
-    assert not (tmp_path / "no.png").exists()
+        (["x", "--out", "x.txt"], "--out must be a .png file"),
+    ],
+    ids=["layer", "blank", "zero-width", "head", "superscript", "too-long", "not-png"],
+)
+def test_show_refuses_bad_arguments(tmp_path, args, message):
+    args = [str(tmp_path / a) if a == "x.txt" else a for a in args]
+    r = run("-m", "sdpa", "show", *args, *([] if "--out" in args else
+                                           ["--out", str(tmp_path / "no.png")]))  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"sdpa show: error: {message}")
+    assert not (tmp_path / "no.png").exists() and not (tmp_path / "x.txt").exists()
 
 
 def test_bench_quick_writes_json_and_plot(tmp_path):
@@ -128,23 +139,23 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     assert "| text (1, 8, 4, 32) |" in r.stdout  # the table
 
 
-def test_command_refusals(tmp_path):
-    afile = tmp_path / "afile"
-    afile.write_text("")
-    for args, message, code in (
+@pytest.mark.parametrize(
+    "args, message, code",
+    [
         (["demo", "--size", "0"], "--size must be at least 8", 2),
-        (["demo", "--out", str(afile)], "--out must be a folder", 2),
-        (
-            ["bench", "--max-length", "10", "--plot", str(tmp_path / "p.png")],
-            "--plot needs the length sweep",
-            2,
-        ),
-        (["bench", "--plot", str(tmp_path / "p.pdf")], "--plot must be a .png file", 2),
-        (["bench", "--max-length", "4", "--json", str(afile / "x.json")], "afile", 1),
-    ):
-        r = run("-m", "sdpa", *args)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == code and len(lines) == 1 and message in lines[0], r.stderr
+        (["demo", "--out", "afile"], "--out must be a folder", 2),
+        (["bench", "--max-length", "10", "--plot", "p.png"], "--plot needs the length sweep", 2),
+        (["bench", "--plot", "p.pdf"], "--plot must be a .png file", 2),
+        (["bench", "--max-length", "4", "--json", "afile/x.json"], "afile", 1),
+    ],
+    ids=["demo-size", "demo-out", "bench-plot-sweep", "bench-plot-png", "bench-json"],
+)
+def test_command_refusals(tmp_path, args, message, code):
+    (tmp_path / "afile").write_text("")
+    paths = ("afile", "p.png", "p.pdf", "afile/x.json")
+    r = run("-m", "sdpa", *[str(tmp_path / a) if a in paths else a for a in args])
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code and len(lines) == 1 and message in lines[0], r.stderr
 
 
 def test_examples_run_as_scripts(tmp_path):
@@ -157,11 +168,14 @@ def test_examples_run_as_scripts(tmp_path):
     assert png_size(tmp_path / "unet_pixels.png")[0] > 400
 
 
-def test_help_version_and_bad_command():
-    for args in ([], ["demo"], ["show"], ["bench"]):
-        r = run("-m", "sdpa", *args, "--help")
-        assert r.returncode == 0 and "usage: sdpa" in r.stdout
-        assert "seed" not in r.stdout  # the textbook passage, by that name
+@pytest.mark.parametrize("command", ["", "demo", "show", "bench"])
+def test_help(command):
+    r = run("-m", "sdpa", *([command] if command else []), "--help")
+    assert r.returncode == 0 and "usage: sdpa" in r.stdout
+    assert "seed" not in r.stdout  # the textbook passage, by that name
+
+
+def test_version_and_bad_command():
     from importlib.metadata import version
 
     r = run("-m", "sdpa", "--version")

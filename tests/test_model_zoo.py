@@ -6,7 +6,9 @@ weights, outputs and attentions compared on valid query rows at atol 1e-4, greed
 `generate` compared for decoders (3 new tokens). A model type passes when it matches
 eager, when it never calls the attention interface and zoo.NOT_ROUTED says so, or when
 sdpa refuses it with the message zoo.EXPECTED_REFUSALS gives, or when it differs as
-zoo.KNOWN_DIFFERENCES says (reviewed: not sdpa's to fix). Model types on
+zoo.KNOWN_DIFFERENCES says (reviewed: not sdpa's to fix), or when layers outside
+attention amplify float32 rounding near the tolerance and the difference stays within
+zoo.AMPLIFIES's bound. Model types on
 zoo.CANNOT_APPLY (reviewed, each with its reason: they cannot be built tiny or run here)
 are not collected; every other outcome fails, so a new mismatch is never silent.
 tests/model_zoo.py runs those too and says when one of them starts to run.
@@ -40,6 +42,7 @@ def test_every_architecture_is_enumerated_once():
     assert len(arch) > 500  # transformers 5 has ~660 model types with a model class
     assert {"llama", "bert", "t5", "whisper", "vit", "clip", "gpt2"} <= arch.keys()
     runs = zoo.EXPECTED_REFUSALS.keys() | zoo.NOT_ROUTED | zoo.KNOWN_DIFFERENCES.keys()
+    runs |= zoo.AMPLIFIES.keys()
     listed = zoo.CANNOT_APPLY.keys() | runs
     assert listed <= arch.keys(), f"listed but gone from transformers: {listed - arch.keys()}"
     assert not zoo.CANNOT_APPLY.keys() & runs
@@ -63,6 +66,10 @@ def test_matches_eager(model_type, name):
         assert zoo.EXPECTED_REFUSALS[model_type] in res.detail, said
     elif model_type in zoo.NOT_ROUTED:
         assert res.status == "not routed", said
+    elif model_type in zoo.AMPLIFIES:
+        values_only = res.status == "match" or res.detail.endswith(" differs")
+        assert res.status in ("match", "mismatch") and values_only, said
+        assert res.max_diff <= zoo.AMPLIFIES[model_type][0], said
     elif model_type in zoo.KNOWN_DIFFERENCES:
         assert res.status == zoo.KNOWN_DIFFERENCES[model_type][0], said
     else:

@@ -1555,15 +1555,22 @@ NOT_ROUTED: set[str] = {
 # honest answer; an unexpected one is a failure).
 EXPECTED_REFUSALS: dict[str, str] = {}
 
-# model_type -> (status, why): a difference from eager that is not sdpa's to fix, reviewed.
-KNOWN_DIFFERENCES: dict[str, tuple[str, str]] = {
+# model_type -> (bound, why): its attention calls on sdpa agree with eager's to float32
+# rounding, and layers outside attention amplify that rounding to near the zoo's ATOL, so
+# the status flips with the machine's summation order (threads, load): the test takes
+# "match", or "mismatch" on values only with the max abs diff within the bound, reviewed.
+AMPLIFIES: dict[str, tuple[float, str]] = {
     "mask2former": (
-        "mismatch",
+        1e-3,
         "its 4 attention calls on sdpa (the pixel decoder's) agree with eager's to float32 "
         "rounding (4.8e-7 at the pixel decoder's output); its transformer decoder, on "
         "nn.MultiheadAttention, amplifies that to 1.6e-4 on values up to 3.5 (4.5e-5 "
-        "relative) through its predicted masks (transformers 5.25)",
+        "relative) through its predicted masks, or leaves it under 1e-4 (transformers 5.25)",
     ),
+}
+
+# model_type -> (status, why): a difference from eager that is not sdpa's to fix, reviewed.
+KNOWN_DIFFERENCES: dict[str, tuple[str, str]] = {
     "bridgetower": (
         "attentions missing",
         "its cross-modal layers collect the attention modules' second output by hand, "
