@@ -15,21 +15,16 @@ PACKAGE = ROOT / "src" / "sdpa"
 CONTRIBUTING = ROOT / "CONTRIBUTING.md"
 
 
-def parse_map(text: str) -> dict[str, str]:
-    """{path under src/sdpa ("backends/", "backends/fused.py"): its description} from the
-    fenced block that starts with `src/sdpa/`: two spaces of indent per level, a name
-    (a trailing / for a folder), then the description."""
-    blocks = re.findall(r"^```[^\n]*\n(src/sdpa/\n.*?)^```", text, re.M | re.S)
-    assert len(blocks) == 1, (
-        f"expected one layout block starting with src/sdpa/, found {len(blocks)}"
-    )
+def tree_entries(lines: list[str], start: int, top: int) -> dict[str, str]:
+    """{path: description} of a map's lines (numbered from `start`): two spaces of indent
+    per level, `top` levels of indent at the top; a name, a trailing / for a folder."""
     entries, parents = {}, []
-    for n, line in enumerate(blocks[0].splitlines()[1:], start=2):
+    for n, line in enumerate(lines, start=start):
         if not line.strip():
             continue
         indent = len(line) - len(line.lstrip(" "))
-        assert indent % 2 == 0 and indent >= 2, f"map line {n}: indent {indent}: {line!r}"
-        depth = indent // 2 - 1
+        assert indent % 2 == 0 and indent >= 2 * top, f"map line {n}: indent {indent}: {line!r}"
+        depth = indent // 2 - top
         assert depth <= len(parents), f"map line {n} is indented under no folder: {line!r}"
         name, _, description = line.strip().partition(" ")
         parents[depth:] = [name] if name.endswith("/") else []
@@ -38,6 +33,17 @@ def parse_map(text: str) -> dict[str, str]:
         assert path not in entries, f"map line {n}: {path} is listed twice"
         entries[path] = description.strip()
     return entries
+
+
+def parse_map(text: str) -> dict[str, str]:
+    """{path under src/sdpa ("backends/", "backends/fused.py"): its description} from the
+    fenced block that starts with `src/sdpa/`: two spaces of indent per level, a name
+    (a trailing / for a folder), then the description."""
+    blocks = re.findall(r"^```[^\n]*\n(src/sdpa/\n.*?)^```", text, re.M | re.S)
+    assert len(blocks) == 1, (
+        f"expected one layout block starting with src/sdpa/, found {len(blocks)}"
+    )
+    return tree_entries(blocks[0].splitlines()[1:], start=2, top=1)
 
 
 def modules(root: Path = PACKAGE) -> set[str]:
@@ -91,21 +97,7 @@ def parse_around(text: str) -> dict[str, str]:
     unindented, two spaces of indent per level below; a name may be a glob."""
     blocks = re.findall(r"^```[^\n]*\n(tests/ .*?)^```", text, re.M | re.S)
     assert len(blocks) == 1, f"expected one map starting with tests/, found {len(blocks)}"
-    entries, parents = {}, []
-    for n, line in enumerate(blocks[0].splitlines(), start=1):
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip(" "))
-        assert indent % 2 == 0, f"map line {n}: indent {indent}: {line!r}"
-        depth = indent // 2
-        assert depth <= len(parents), f"map line {n} is indented under no folder: {line!r}"
-        name, _, description = line.strip().partition(" ")
-        parents[depth:] = [name] if name.endswith("/") else []
-        path = "".join(parents[:depth]) + name
-        assert description.strip(), f"map line {n}: {name} has no description"
-        assert path not in entries, f"map line {n}: {path} is listed twice"
-        entries[path] = description.strip()
-    return entries
+    return tree_entries(blocks[0].splitlines(), start=1, top=0)
 
 
 def _contents(folder: Path) -> set[str]:
