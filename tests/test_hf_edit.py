@@ -5,6 +5,7 @@ to the materialised pattern (eager's math: fp32 softmax of the masked scores).""
 from __future__ import annotations
 
 import copy
+import re
 import threading
 
 import pytest
@@ -395,6 +396,10 @@ def test_on_layers_without_a_stack_is_refused_where_layer_numbers_repeat(enc_dec
         _run(model, inputs, edits.ZeroAblate([0]).on_layers(1, stack="decodr", kind="self"))
     with pytest.raises(sdpa.SdpaValueError, match=r"'decoder.1.self' is no attention module"):
         _run(model, inputs, edits.ZeroAblate([0]).on_modules("decoder.1.self"))
+    child = next(model.get_submodule(paths[1]).named_children())[0]
+    inside = f"{paths[1]}.{child}"  # a projection inside an attention module: not one
+    with pytest.raises(sdpa.SdpaValueError, match=rf"'{re.escape(inside)}' is no attention"):
+        _run(model, inputs, edits.ZeroAblate([0]).on_modules(inside))
 
 
 @pytest.mark.parametrize("key", list(STACKS))
