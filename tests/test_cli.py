@@ -97,8 +97,8 @@ def test_show_draws_any_text(tmp_path):
     assert max(png_size(long)) < 4000
 
 
-# one case a test: each runs the command in a process of its own (~10 s), and
-# `make test`'s workers share them
+# One case a test: each runs the command in a process of its own (~10 s), and
+# `make test`'s workers share them. "{tmp}" in an argument is the test's tmp_path.
 @needs_hf
 @pytest.mark.parametrize(
     "args, message",
@@ -109,12 +109,12 @@ def test_show_draws_any_text(tmp_path):
         (["x", "--head", "12"], "--head must be 'all' or in 0..11, got '12'"),
         (["x", "--head", "\u00b2"], "--head must be 'all' or in 0..11"),
         ([" ".join(["word"] * 600)], "TEXT has 602 tokens; all-MiniLM-L6-v2 reads at most 512"),
-        (["x", "--out", "x.txt"], "--out must be a .png file"),
+        (["x", "--out", "{tmp}/x.txt"], "--out must be a .png file"),
     ],
     ids=["layer", "blank", "zero-width", "head", "superscript", "too-long", "not-png"],
 )
 def test_show_refuses_bad_arguments(tmp_path, args, message):
-    args = [str(tmp_path / a) if a == "x.txt" else a for a in args]
+    args = [a.format(tmp=tmp_path) for a in args]
     r = run("-m", "sdpa", "show", *args, *([] if "--out" in args else
                                            ["--out", str(tmp_path / "no.png")]))  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -143,17 +143,20 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     "args, message, code",
     [
         (["demo", "--size", "0"], "--size must be at least 8", 2),
-        (["demo", "--out", "afile"], "--out must be a folder", 2),
-        (["bench", "--max-length", "10", "--plot", "p.png"], "--plot needs the length sweep", 2),
-        (["bench", "--plot", "p.pdf"], "--plot must be a .png file", 2),
-        (["bench", "--max-length", "4", "--json", "afile/x.json"], "afile", 1),
+        (["demo", "--out", "{tmp}/afile"], "--out must be a folder", 2),
+        (
+            ["bench", "--max-length", "10", "--plot", "{tmp}/p.png"],
+            "--plot needs the length sweep",
+            2,
+        ),
+        (["bench", "--plot", "{tmp}/p.pdf"], "--plot must be a .png file", 2),
+        (["bench", "--max-length", "4", "--json", "{tmp}/afile/x.json"], "afile", 1),
     ],
     ids=["demo-size", "demo-out", "bench-plot-sweep", "bench-plot-png", "bench-json"],
 )
 def test_command_refusals(tmp_path, args, message, code):
     (tmp_path / "afile").write_text("")
-    paths = ("afile", "p.png", "p.pdf", "afile/x.json")
-    r = run("-m", "sdpa", *[str(tmp_path / a) if a in paths else a for a in args])
+    r = run("-m", "sdpa", *[a.format(tmp=tmp_path) for a in args])
     lines = r.stderr.strip().splitlines()
     assert r.returncode == code and len(lines) == 1 and message in lines[0], r.stderr
 
