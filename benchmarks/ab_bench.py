@@ -13,6 +13,7 @@ silently); 2 when a run could not be made (the other benchmarks are still compar
     python benchmarks/ab_bench.py --base 0bc6774 --rounds 3 bench_decode bench_weights
     python benchmarks/ab_bench.py --base 0bc6774 --only "decode float32" bench_decode
     python benchmarks/ab_bench.py --base 702ddac --quick --only text bench_core
+    python benchmarks/ab_bench.py --base 702ddac --rounds 5 --only "dense, 2 ranks" bench_ring
 
 NAME is a benchmark built on sdpa.benchmark (its JSON rows carry case, peer and ratio);
 benchmarks/NAME.py exists under that name in the base too (commits from before this file
@@ -60,11 +61,24 @@ def _check_import(tree: Path) -> None:
 
 
 # bench_ring is not built on sdpa.benchmark: its rows are (impl, mode, ranks, seconds),
-# every run measures its ranks' memory, and it takes neither --only nor --quick; a case is
-# "MODE, R ranks", its ratio ring_attention's seconds over the whole sequence's on one
-# process in the same mode (its peer, the row with impl WHOLE).
+# every run measures its ranks' memory, and it takes no --quick; a case is "MODE, R ranks",
+# its ratio ring_attention's seconds over the whole sequence's on one process in the same
+# mode (its peer, the row with impl WHOLE). Its --only is a mode or a whole case id, run
+# as the benchmark's own --modes (and --ranks): the other cases are not measured at all.
 RING = "bench_ring"
 WHOLE = "sdpa.attention (whole sequence)"
+
+
+def _ring_selection(only: str) -> list[str]:
+    """bench_ring's arguments for --only: "MODE" or "MODE, R ranks"."""
+    mode, _, ranks = only.partition(", ")
+    count = ranks.removesuffix(" ranks")
+    if not mode or (ranks and not (ranks.endswith(" ranks") and count.isdigit())):
+        raise RunError(
+            f"{RING} --only takes a mode or a case id such as 'causal zigzag, 2 ranks', "
+            f"not {only!r}"
+        )
+    return ["--modes", mode] + (["--ranks", count] if ranks else [])
 
 
 def _ring_ratios(results: object) -> list[dict] | None:
@@ -93,12 +107,12 @@ def _run(tree: Path, bench: str, only: str | None, quick: bool) -> dict[str, flo
         raise RunError(f"{script.relative_to(tree)} does not exist in {tree}")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, str(script), "--json", out.name]
-        if bench == RING and (only or quick):
-            raise RunError(f"{bench} takes neither --only nor --quick (compare it whole)")
+        if bench == RING and quick:
+            raise RunError(f"{bench} takes no --quick (its cases are its sizes)")
         if bench != RING:
             cmd.append("--no-memory")
         if only:
-            cmd += ["--only", only]
+            cmd += _ring_selection(only) if bench == RING else ["--only", only]
         if quick:
             cmd.append("--quick")
         done = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True)

@@ -140,3 +140,18 @@ def test_the_ring_benchmark_rows_compare_to_the_whole_sequence(ab):
     got = {r["case"]: r["ratio"] for r in ab._ring_ratios(rows)}
     assert got == {"dense, 1 ranks": 1.1, "dense, 4 ranks": 1.25, "causal zigzag, 2 ranks": 0.8}
     assert ab._ring_ratios([{"case": "x", "peer": "y", "ratio": 1.0}]) is None
+
+
+def test_the_ring_benchmark_only_runs_the_selected_mode_and_ranks(ab):
+    """--only on bench_ring becomes its own --modes / --ranks, from a mode or from a case
+    id exactly as _ring_ratios writes it; anything else is refused before a run."""
+    rows = [
+        {"impl": ab.WHOLE, "mode": "causal zigzag", "ranks": 1, "seconds": 5.0},
+        {"impl": "ring_attention", "mode": "causal zigzag", "ranks": 2, "seconds": 4.0},
+    ]
+    (case,) = (r["case"] for r in ab._ring_ratios(rows))
+    assert ab._ring_selection(case) == ["--modes", "causal zigzag", "--ranks", "2"]
+    assert ab._ring_selection("dense") == ["--modes", "dense"]
+    for bad in ("dense, two ranks", "dense, 2", ", 2 ranks"):
+        with pytest.raises(ab.RunError, match="a mode or a case id"):
+            ab._ring_selection(bad)
