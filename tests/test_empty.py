@@ -100,7 +100,7 @@ def test_attention_and_every_statistic_on_empty_shapes(gen, name, mask_kind, eng
         # seed 1487052650 gives 1.27e-6 on Ev=0)
         torch.testing.assert_close(w.entropy().double(), -(p * logp).sum(-1), atol=4e-6, rtol=2e-6)
         amax = p.amax(-1) if S else torch.zeros(B, Hq, L, dtype=torch.float64)
-        torch.testing.assert_close(w.amax().double(), amax, atol=1e-6, rtol=0)
+        torch.testing.assert_close(w.amax(-1).double(), amax, atol=1e-6, rtol=0)
         for kk in {0, min(1, S), S}:
             values, indices = w.topk(kk)
             assert values.shape == indices.shape == (B, Hq, L, kk)

@@ -36,13 +36,13 @@ READS = {
         lambda w: w.entropy(),
         lambda p: -torch.where(p > 0, p * torch.where(p > 0, p, 1.0).log(), 0.0).sum(-1),
     ),
-    "amax": (lambda w: w.amax(), lambda p: p.amax(-1)),
+    "amax": (lambda w: w.amax(-1), lambda p: p.amax(-1)),
     "topk": (lambda w: w.topk(3)[0], lambda p: p.topk(3, dim=-1)[0]),
     "pairs": (
         lambda w: w.pairs(*_pairs(w.shape)),
         lambda p: p[(..., *_pairs(p.shape))],
     ),
-    "diagonal": (lambda w: w.diagonal(-1), lambda p: torch.diagonal(p, -1, -2, -1)),
+    "diagonal": (lambda w: w.diagonal(-1, -2, -1), lambda p: torch.diagonal(p, -1, -2, -1)),
     "rmatmul": (
         lambda w: torch.linspace(-1, 1, w.shape[-2]) @ w,
         lambda p: torch.linspace(-1, 1, p.shape[-2], dtype=p.dtype) @ p,

@@ -145,12 +145,6 @@ def test_a_column_costs_a_column(gen):
     [
         ((..., [0, 65]), IndexError, "key index 65 is out of bounds"),
         ((..., [-66]), IndexError, "key index -66"),
-        ((..., [1.5]), sdpa.SdpaTypeError, "list of key indices takes ints"),
-        ((..., [True]), sdpa.SdpaTypeError, "list of key indices takes ints"),
-        ((..., torch.tensor([True, False])), sdpa.SdpaTypeError, "nonzero"),
-        ((..., torch.tensor([[1, 2]])), sdpa.SdpaTypeError, "1-D integer tensor"),
-        ((..., torch.tensor([1.0])), sdpa.SdpaTypeError, "1-D integer tensor"),
-        ((0, [1, 2], slice(None)), sdpa.SdpaTypeError, "dim 1"),  # lists only on the key dim
     ],
 )
 def test_bad_key_indices(gen, index, exc, pattern):
@@ -158,3 +152,31 @@ def test_bad_key_indices(gen, index, exc, pattern):
     w = sdpa.attention(q, k, v).weights
     with pytest.raises(exc, match=pattern):
         w[index]
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        (..., [1.5]),
+        (..., [True]),
+        (..., torch.tensor([True, False])),
+        (..., torch.arange(65) % 3 == 0),  # a boolean selection of keys
+        (..., torch.tensor([[1, 2]])),
+        (..., torch.tensor([1.0])),
+        (0, [1, 2], slice(None)),  # a list over a lead dim
+    ],
+    ids=["float-list", "bool-list", "bool-short", "bool-keys", "2-d", "float", "lead-list"],
+)
+def test_other_indices_answer_or_refuse_as_the_dense_tensor(gen, index):
+    """An index the rows engine does not take is the dense tensor's: its value, or the
+    error torch gives for it."""
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=4, S=65)
+    w = sdpa.attention(q, k, v).weights
+    dense = w.full()
+    try:
+        want = dense[index]
+    except (IndexError, TypeError, ValueError) as e:
+        with pytest.raises(type(e)):
+            w[index]
+    else:
+        torch.testing.assert_close(w[index], want, atol=0, rtol=0)

@@ -105,7 +105,7 @@ def test_float32_within_twice_the_listings_error(engine, i):
                      p64[:, :, q.shape[2] // 2], WEIGHTS_FLOOR),
             "sum": (w.sum(dim=-2), p32.sum(-2), p64.sum(-2), STAT_FLOOR),
             "entropy": (w.entropy(), _entropy(p32), _entropy(p64), STAT_FLOOR),
-            "amax": (w.amax(), p32.amax(-1), p64.amax(-1), WEIGHTS_FLOOR),
+            "amax": (w.amax(-1), p32.amax(-1), p64.amax(-1), WEIGHTS_FLOOR),
             "topk": (w.topk(1)[0], p32.topk(1, dim=-1)[0], p64.topk(1, dim=-1)[0],
                      WEIGHTS_FLOOR),
             "lse": (w.lse, _lse(q, k, mask, sc, softcap, sinks, torch.float32),

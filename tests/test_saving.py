@@ -183,7 +183,6 @@ def test_a_mask_of_your_own_pickles_and_needs_allowlisting_for_weights_only(gen)
 
 def test_a_saved_state_of_another_format_is_refused():
     w = sdpa.attention(*(torch.ones(1, 1, 2, 2) for _ in range(3))).weights
-    state = w.__reduce_ex__(2)[2]
-    twin = sdpa.AttentionWeights.__new__(sdpa.AttentionWeights)
+    rebuild, (state,) = w.__reduce_ex__(2)
     with pytest.raises(sdpa.SdpaValueError, match="format 2"):
-        twin.__setstate__({**state, "format": 2})
+        rebuild({**state, "format": 2})

@@ -31,7 +31,7 @@ def _reads(w, g, own_q, own_k, picked):
         (values * g["top"][..., own_q, :]).sum(),
         (w.full() * g["full"][..., own_q, :]).sum(),
         (w[1, :, picked] * g["full"][1, :, own_q[picked]]).sum(),
-        (w.amax() * g["rows"][..., own_q]).sum(),
+        (w.amax(-1) * g["rows"][..., own_q]).sum(),
         (w.lse * g["rows"][..., own_q]).sum(),
     ]
     return sum(parts)

@@ -233,10 +233,10 @@ def test_weights_statistics_on_the_kernels_match_the_chunked_engine(gen, kernel_
         mask = _mask(gen, "bool_heads", 2, 4, L, 20)
     w = sdpa.attention(q, k, v, mask, causal=causal).weights
     with torch.no_grad():
-        got = {"entropy": w.entropy(), "amax": w.amax(), "sum": w.sum(dim=-2),
+        got = {"entropy": w.entropy(), "amax": w.amax(-1), "sum": w.sum(dim=-2),
                "max_logits": w.max_logits().row}  # fmt: skip
     assert kernel_calls == ["entropy_and_max", "entropy_and_max", "received", "max_logits"]
-    for what, fn in [("entropy", lambda w: w.entropy()), ("amax", lambda w: w.amax()),
+    for what, fn in [("entropy", lambda w: w.entropy()), ("amax", lambda w: w.amax(-1)),
                      ("sum", lambda w: w.sum(dim=-2)),
                      ("max_logits", lambda w: w.max_logits().row)]:  # fmt: skip
         ref = _chunked(w, fn)
@@ -278,7 +278,7 @@ def test_weights_fall_back_where_the_kernels_cannot_serve(gen, kernel_calls):
     kernel_calls.clear()
     # float64 is not a kernel dtype: the chunked engine serves, silently
     w64 = sdpa.attention(q.double(), k.double(), v.double()).weights
-    torch.testing.assert_close(w64.amax(), oracle(q, k, v)[1].amax(-1), atol=1e-12, rtol=0)
+    torch.testing.assert_close(w64.amax(-1), oracle(q, k, v)[1].amax(-1), atol=1e-12, rtol=0)
     assert kernel_calls == []
 
 
@@ -444,7 +444,7 @@ def test_one_pass_kernels_match_the_chunked_engine(gen, dtype, kind, causal):
     L, S = (45, 45) if causal else (37, 61)
     q, k, v, mask = _inputs(gen, dtype, 2, 4, 2, L, S, 40, 16, kind)
     w = sdpa.attention(q, k, v, mask, causal=causal, scale=0.35).weights
-    ref = _chunked(w, lambda w: (w.entropy(), w.amax(), w.sum(dim=-2)))
+    ref = _chunked(w, lambda w: (w.entropy(), w.amax(-1), w.sum(dim=-2)))
     slack = (w.lse.double() - _oracle_stats(q, k, v, mask, causal, 0.35)[1]).abs().max().item()
     mask4 = _mask4(mask)
     ent, top = entropy_and_max(q, k, w.lse, mask4, causal=causal, scale=0.35)
@@ -465,7 +465,7 @@ def test_entropy_under_a_huge_bias_is_the_listings(gen):
     bias[2] = -1e9
     bias[4, :20] = -1e9  # half the keys swallowed: the other half keep their weights
     w = sdpa.attention(q, k, v, bias).weights
-    ref_ent, ref_top = _chunked(w, lambda w: (w.entropy(), w.amax()))
+    ref_ent, ref_top = _chunked(w, lambda w: (w.entropy(), w.amax(-1)))
     ent, top = entropy_and_max(q, k, w.lse, bias[None, None], scale=0.25)
     torch.testing.assert_close(ent, ref_ent, atol=5e-5, rtol=1e-5)
     torch.testing.assert_close(top, ref_top, atol=5e-6, rtol=1e-5)

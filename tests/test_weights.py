@@ -257,7 +257,9 @@ def _statistics_never_allocate_the_weights(gen, mask_kind):
         "entropy": w.entropy,
         "sum": lambda: w.sum(dim=-2),
         "topk": lambda: w.topk(8)[0],
-        "amax": w.amax,
+        "amax": lambda: w.amax(-1),
+        "max": lambda: w.max(-1).values,
+        "global max": lambda: w.max()[None, None, None].expand(1, 1, L),
     }.items():
         with Allocations() as allocated:
             got[stat] = ask()
@@ -279,8 +281,6 @@ def _statistics_never_allocate_the_weights(gen, mask_kind):
     [
         ((0, 0, 0, 0, 0), IndexError, r"too many indices for weights of shape \(2, 3, 7, 9\)"),
         ((2,), IndexError, r"index 2 is out of bounds for dim 0 with size 2"),
-        ((0, None), TypeError, r"takes ints, slices and '...' .* got NoneType for dim 1"),
-        ((torch.tensor([0]),), TypeError, r"got Tensor for dim 0"),
         ((slice(None, None, -1),), ValueError, r"slice step must be positive, got -1"),
         ((Ellipsis, Ellipsis), IndexError, r"single ellipsis"),
     ],
@@ -290,6 +290,24 @@ def test_bad_indices(gen, index, exc, pattern):
     w = sdpa.attention(q, k, v).weights
     with pytest.raises(exc, match=pattern):
         w[index]
+
+
+@pytest.mark.parametrize(
+    "index",
+    [(0, None), (torch.tensor([1, 0]),), (torch.tensor([True, False]), 2), (..., None, 3)],
+    ids=["none", "tensor-lead", "bool-lead", "ellipsis-none"],
+)
+def test_indices_the_rows_engine_does_not_take_answer_as_the_dense_weights(gen, index):
+    """None, tensors and boolean masks over the lead dims: the dense tensor's answer
+    (computed within the budget), gradients included."""
+    q, k, v, _ = make_inputs(gen)
+    q.requires_grad_()
+    w = sdpa.attention(q, k, v).weights
+    got, want = w[index], w.full()[index]
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    (g_got,) = torch.autograd.grad(got.square().sum(), q)
+    (g_want,) = torch.autograd.grad(w.full()[index].square().sum(), q)
+    torch.testing.assert_close(g_got, g_want, atol=1e-6, rtol=0)
 
 
 def dense_stats(p: torch.Tensor, k: int):
@@ -355,7 +373,7 @@ def test_statistics_match_the_oracle(gen, case, L, S):
     ref_lse = torch.where(ref_p.sum(-1) > 0, w.lse.double(), torch.zeros_like(ref_entropy))
     bound = 1e-4 * ref_lse.abs().clamp(min=1) if q.dtype == torch.float32 else HALF_ENTROPY_TOL
     assert ((w.entropy().double() - ref_entropy).abs() <= bound).all()
-    torch.testing.assert_close(w.amax().double(), ref_p.amax(-1), atol=tol, rtol=0)
+    torch.testing.assert_close(w.amax(-1).double(), ref_p.amax(-1), atol=tol, rtol=0)
     torch.testing.assert_close(w.full().double(), ref_p, atol=tol, rtol=0)
     torch.testing.assert_close(w[1, :, L // 2].double(), ref_p[1, :, L // 2], atol=tol, rtol=0)
     values, indices = w.topk(kk)
@@ -363,7 +381,7 @@ def test_statistics_match_the_oracle(gen, case, L, S):
     torch.testing.assert_close(values.double(), ref_top, atol=tol, rtol=0)
     # the indices point at those values
     torch.testing.assert_close(ref_p.gather(-1, indices), ref_top, atol=tol, rtol=0)
-    for stat in (w.sum(), w.entropy(), values):
+    for stat in (w.sum(-2), w.entropy(), values):
         assert stat.dtype == torch.float32
 
 
@@ -399,7 +417,7 @@ def test_full_refuses_over_budget_before_allocating(gen):
     with pytest.raises(
         sdpa.WeightsTooLargeError,
         match=r"need 960,000 bytes .* over "
-        r"max_bytes=100,000. Ask for less: rows .* w.entropy\(\)",
+        r"max_bytes=100,000. Lazy reads work .* w.entropy\(\), torch.diagonal.* w.pairs",
     ):
         w.full(max_bytes=100_000)
     assert isinstance(sdpa.WeightsTooLargeError("x"), MemoryError)
@@ -411,18 +429,40 @@ def test_statistics_work_where_the_dense_weights_exceed_the_budget(gen):
     w = sdpa.attention(q, k, v).weights
     with pytest.raises(sdpa.WeightsTooLargeError):
         w.full(max_bytes=2**24)  # 32 MiB of weights
-    sums, h, (top, _) = w.sum(), w.entropy(), w.topk(4)
+    sums, h, (top, _) = w.sum(-2), w.entropy(), w.topk(4)
     assert sums.shape == (1, 2, 2048) and h.shape == (1, 2, 2048) and top.shape == (1, 2, 2048, 4)
     torch.testing.assert_close(sums.sum(-1), torch.full((1, 2), 2048.0), rtol=1e-5, atol=0)
     assert ((h > 0) & (h <= torch.log(torch.tensor(2048.0)))).all()
 
 
-@pytest.mark.parametrize("dim", [-1, 0, 3])
-def test_sum_over_other_dims_is_refused(gen, dim):
+@pytest.mark.parametrize("dim", [-1, 0, 3, (0, 1), None, (1, -2)])
+@pytest.mark.parametrize("op", ["sum", "mean", "amax"])
+def test_reductions_over_any_dims_equal_the_dense_tensors(gen, op, dim):
+    """torch's reductions over any dims, keepdim or not: lazy where the dims include
+    the queries (sum, mean) or the keys (amax), else on the dense weights; gradients
+    as the dense tensor's."""
     q, k, v, _ = make_inputs(gen)
+    q.requires_grad_()
     w = sdpa.attention(q, k, v).weights
-    with pytest.raises(ValueError, match=rf"over the queries, dim=-2 .* got dim={dim}"):
-        w.sum(dim=dim)
+    for keepdim in (False, True):
+        got = getattr(w, op)(dim, keepdim=keepdim) if dim is not None else getattr(w, op)()
+        dense = w.full()
+        want = getattr(dense, op)(dim, keepdim=keepdim) if dim is not None else getattr(dense, op)()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        (g_got,) = torch.autograd.grad(got.square().sum(), q)
+        (g_want,) = torch.autograd.grad(want.square().sum(), q)
+        torch.testing.assert_close(g_got, g_want, atol=1e-6, rtol=0)
+
+
+def test_an_op_past_the_budget_refuses_naming_it_and_the_lazy_reads(gen):
+    """An op no lazy read answers takes the dense weights within the default budget;
+    past it WeightsTooLargeError names the op and the lazy reads (no allocation)."""
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=12000, S=12000, E=8)
+    w = sdpa.attention(q, k, v).weights  # 1.07 GiB dense in float32
+    with pytest.raises(sdpa.WeightsTooLargeError, match=r"`mean` on AttentionWeights .* "
+                       r"Lazy reads .* torch.diagonal\(w, offset, -2, -1\), w.pairs"):  # fmt: skip
+        w.mean(1)
+    assert w.mean(dim=-2).shape == (1, 2, 12000)  # lazy: O(L + S)
 
 
 @pytest.mark.parametrize("k", [-1, 10, 2.0, True])
@@ -484,7 +524,7 @@ AMAX_MASKS = [
 def test_amax_under_structured_masks(gen, kind, L, S):
     q, k, v, _ = make_inputs(gen, Hq=4, Hkv=2, L=L, S=S)
     mask, keep = _keep(kind, 2, L, S)
-    top = sdpa.attention(q, k, v, mask).weights.amax()
+    top = sdpa.attention(q, k, v, mask).weights.amax(-1)
     ref = oracle(q, k, v, keep)[1].amax(-1)
     torch.testing.assert_close(top.double(), ref, atol=AMAX_TOL, rtol=0)
 
@@ -520,7 +560,7 @@ def test_amax_under_float_masks(gen, kind, causal):
     if kind == "float_huge":  # scores on a grid of 1/8 that float32 holds exactly at 2**20
         q, k = (torch.randint(-2, 3, t.shape, generator=gen).float() for t in (q, k))
         scale = 0.125
-    top = sdpa.attention(q, k, v, mask, causal=causal, scale=scale).weights.amax()
+    top = sdpa.attention(q, k, v, mask, causal=causal, scale=scale).weights.amax(-1)
     ref = oracle(q, k, v, mask, causal=causal, scale=scale)[1].amax(-1)
     torch.testing.assert_close(top.double(), ref, atol=AMAX_TOL, rtol=0)
 
@@ -529,17 +569,27 @@ def test_amax_under_float_masks(gen, kind, causal):
 def test_amax_is_each_rows_largest_weight(gen, mask_kind):
     q, k, v, mask = make_inputs(gen, Hq=4, Hkv=2, L=13, S=21, mask_kind=mask_kind)
     w = sdpa.attention(q, k, v, mask).weights
-    top = w.amax()
+    top = w.amax(-1)
     assert top.shape == (2, 4, 13) and w.amax(dim=3).shape == top.shape
     torch.testing.assert_close(top.double(), oracle(q, k, v, mask)[1].amax(-1), atol=2e-6, rtol=0)
     dead = oracle(q, k, v, mask)[1].sum(-1) == 0
     assert torch.equal(top[dead], torch.zeros_like(top[dead]))  # rows that see no key: 0
 
 
-def test_amax_refuses_the_query_dim(gen):
+def test_max_and_argmax_over_the_keys_are_lazy_and_torchs(gen):
+    """w.max(-1) (torch.return_types.max), w.argmax(-1), w.max(): as the dense tensor's
+    (an index where the values tie may differ: the weight there is the maximum)."""
     q, k, v, _ = make_inputs(gen)
-    with pytest.raises(ValueError, match=r"amax works over the keys, dim=-1 .* got dim=-2"):
-        sdpa.attention(q, k, v).weights.amax(dim=-2)
+    w = sdpa.attention(q, k, v).weights
+    dense = w.full()
+    got = w.max(-1)
+    assert isinstance(got, torch.return_types.max)
+    torch.testing.assert_close(got.values, dense.max(-1).values, atol=1e-6, rtol=0)
+    picked = dense.gather(-1, w.argmax(-1, keepdim=True))[..., 0]
+    torch.testing.assert_close(picked, dense.amax(-1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(w.max(), dense.max(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(w.max(dim=-1, keepdim=True).indices, w.argmax(-1, True))
+    assert isinstance(w.topk(2), torch.return_types.topk)
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "top-left", "padding", "decode"])

@@ -259,7 +259,7 @@ def stats_rows(shape, reps: int, device: torch.device, rows: list[dict], checks:
             )
         # each new kernel against an independent answer
         ent, top = entropy_and_max(q, k, lse, **kw)
-        ref_ent, ref_top, ref_sum = _chunked(lambda: (w.entropy(), w.amax(), w.sum(dim=-2)))  # noqa: B023
+        ref_ent, ref_top, ref_sum = _chunked(lambda: (w.entropy(), w.amax(-1), w.sum(dim=-2)))  # noqa: B023
         rows_max, _ = max_logits(q, k, **kw)
         s = q[0].float() @ k[0].float().mT * scale  # (H, L, S) of batch 0
         if causal:

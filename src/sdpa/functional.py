@@ -14,14 +14,15 @@ from sdpa.backends import PRIORITY, Backend, run, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
-from sdpa.weights import AttentionWeights
+from sdpa.weights import AttentionWeights, GraphWeights
+from sdpa.weights import handle as weights_of
 
 
 class AttentionResult(NamedTuple):
     """What `attention` and every module return: the listing's two values."""
 
     output: torch.Tensor  # (..., L, Ev)
-    weights: AttentionWeights  # lazy (..., L, S)
+    weights: AttentionWeights | GraphWeights  # lazy (..., L, S); GraphWeights in torch.compile
 
 
 _result = tuple.__new__  # AttentionResult(out, w) without the NamedTuple's keyword handling
@@ -158,12 +159,12 @@ def attention(
         if inputs is not None:
             impl = select_fast(inputs)
             out, lse, p = impl.run(inputs)
-            return _result(AttentionResult, (out, AttentionWeights(inputs, lse, p, impl)))
+            return _result(AttentionResult, (out, weights_of(inputs, lse, p, impl)))
     inputs, out, lse, p, impl = _compute(
         query, key, value, mask, causal, scale, dropout_p, backend, lane=False
     )  # (the lane above missed, or is not for these calls: not again)
     frozen_call = bool(_frozen_blocks) and _frozen_here() and _wanted_grad(query, key, mask)
-    return AttentionResult(out, AttentionWeights(inputs, lse, p, impl, frozen=frozen_call))
+    return AttentionResult(out, weights_of(inputs, lse, p, impl, frozen=frozen_call))
 
 
 class Explanation(NamedTuple):

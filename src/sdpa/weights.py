@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import copyreg
 import itertools
 import math
 import operator
@@ -86,26 +85,9 @@ class Provider(NamedTuple):
     compute: Callable[..., object]
 
 
-class AttentionWeights:
-    """Lazy view of the attention weights, shape (*lead, L, S) (query heads for GQA).
-
-    Shapes: query (..., L, E), key (..., S, E) -> weights (..., L, S); with heads,
-    (..., Hq, L, S). Values are the softmax probabilities *before* dropout, in float32
-    for 16-bit inputs. Rows that see no key are all 0.
-
-    The handle keeps q, k and the mask by reference, not by copy. An in-place change
-    made through torch (k.mul_(2), a KV-cache write, resize_, set_) bumps their version
-    counters, and every access then raises StaleWeightsError rather than answer for
-    other inputs. Writes torch cannot see are not detected: through `.data`, a numpy
-    view (`t.numpy()`), or another tensor sharing the storage; nor are tensors made
-    under torch.inference_mode (they have no counter). Read the weights before such a
-    write, or pass a clone.
-
-    served_by: the backend and path that computed the call (e.g. "fused: one kernel
-    call"), as sdpa.explain describes them.
-    """
-
-    __slots__ = ("_backend", "_frozen", "_inputs", "_lse", "_probs", "_versions")
+class _Reads:
+    """The reads of a handle, shared by AttentionWeights (the tensor) and GraphWeights
+    (the same recipe inside a torch.compile region)."""
 
     def __init__(
         self,
@@ -311,9 +293,7 @@ class AttentionWeights:
             tuple(self._inputs.shape),
             torch.finfo(self.dtype).bits // 8,
             max_bytes,
-            "Ask for less: rows (w[b, h, i], w[b, :, i:j]), w.sum(dim=-2), "
-            "w.mean(dim=-2), w.entropy() and w.topk(k) work in O(chunk x S) memory; "
-            "or pass max_bytes=None",
+            LAZY_READS + "; or pass max_bytes=None",
         )
         if self._shape_only:
             return self._zeros(*self._inputs.shape[len(self._inputs.lead) :])
@@ -326,7 +306,10 @@ class AttentionWeights:
         w[0, 1, 10:20] -> (10, S), w[0, :, :, j] -> (H, L), w[..., [j1, j2]] ->
         (..., L, 2). A selection of rows costs O(rows x S), of keys O(L x keys)."""
         self._check_fresh()
-        selection = _Selection.of(index, self._inputs)
+        try:
+            selection = _Selection.of(index, self._inputs)
+        except SdpaTypeError:  # None, boolean masks, tensors over the lead dims...
+            return self._dense("indexing")[index]
         if self._shape_only:
             return selection.apply(self._zeros(*self._inputs.shape[len(self._inputs.lead) :]))
         needs = self._needs()
@@ -366,16 +349,16 @@ class AttentionWeights:
             p = grads.read(grads.Spec(self._every_row(), rule, needs, lambda: value))
         return self._lead(p)
 
-    def diagonal(self, offset: int = 0) -> torch.Tensor:
-        """The weights w[..., i, i + offset], as torch.diagonal(w.full(), offset, dim1=-2,
-        dim2=-1): (*lead, n), n the number of such (query, key) pairs. offset=-1 is each
-        query's weight on the previous token. O(|lead| x n x E)."""
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise SdpaTypeError(
-                f"offset must be an int (key index minus query index), got {offset!r} "
-                f"({type(offset).__name__})"
-            )
-        L, S = self.shape[-2], self.shape[-1]
+    def diagonal(self, offset: int = 0, dim1: int = 0, dim2: int = 1) -> torch.Tensor:
+        """torch.diagonal of the weights. Over the query and key dims (dim1=-2, dim2=-1)
+        it is lazy: w[..., i, i + offset], (*lead, n), n the number of such (query, key)
+        pairs, in O(|lead| x n x E); offset=-1 is each query's weight on the previous
+        token. Other dims (torch's default 0, 1 included) take the dense weights."""
+        nd = len(self._inputs.shape)
+        dims = _dim(dim1, nd), _dim(dim2, nd)
+        if dims != (nd - 2, nd - 1) or isinstance(offset, bool) or not isinstance(offset, int):
+            return _on_dense(torch.Tensor.diagonal, (self, offset, dim1, dim2), {})
+        L, S = self._inputs.shape[-2:]
         first = max(0, -offset)
         last = min(L, S - offset)  # exclusive
         q_index = torch.arange(first, max(first, last))
@@ -398,7 +381,7 @@ class AttentionWeights:
         self._check_fresh()
         i = self._inputs
         mine = self._every_row()
-        if isinstance(other, AttentionWeights):
+        if isinstance(other, _Reads):
             other._check_fresh()
             o_inputs, o_lse = _aligned(other, head_map, i)
             theirs = rows.Rows.every(o_inputs, o_lse)
@@ -451,6 +434,8 @@ class AttentionWeights:
         weights' dtype: the attention of these queries and keys with x as the values
         (one fused call, differentiable in q, k, x, a float mask and the sinks; never
         L x S). Rollout, span mass and value-weighted reads are such products."""
+        if isinstance(x, _Reads):
+            return _on_dense(torch.matmul, (self, x), {})
         self._check_fresh()
         i = self._inputs
         xb = _per_head(x, i, "x", -2)  # (B, Hq, S, F)
@@ -517,21 +502,39 @@ class AttentionWeights:
         head = row.amax(dim=-1) if row.shape[-1] else row.new_full(row.shape[:-1], -torch.inf)
         return MaxLogits(row, head)
 
-    def sum(self, dim: int = -2) -> torch.Tensor:
-        """Attention each key receives, summed over the queries: (*lead, S).
+    def sum(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """torch.sum of the weights. Over dims that include the queries (dim=-2; no dim:
+        every dim) it is lazy: the attention each key receives, (*lead, S), in O(L + S)
+        memory, then the other dims of that. Over the keys alone (every row sums to 1,
+        or 0 where it sees no key) it takes the dense weights."""
+        return self._reduce(torch.Tensor.sum, self._key_sums, -2, args, kwargs)
 
-        Only dim=-2 (over the queries): over the keys every row sums to 1 (0 for a row
-        that sees no key)."""
-        self._check_query_dim(dim, "sum")
+    def mean(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """torch.mean of the weights: lazy over dims that include the queries (sum / L
+        then the mean of the other dims); other dims (the head mean w.mean(1) is
+        (B, L, S), L x S by nature) take the dense weights."""
+        L = max(1, self._inputs.query.shape[-2])
+        return self._reduce(torch.Tensor.mean, lambda: self._key_sums() / L, -2, args, kwargs)
+
+    def _reduce(self, op: Callable, lazy: Callable, at: int, args: tuple, kwargs: dict):
+        """op(w, *args, **kwargs): where its dims include `at` (-2 or -1), lazy() (the
+        reduction over `at`) reduced over the other dims by op; else the dense op."""
+        nd = len(self._inputs.shape)
+        dims, keepdim = _reduction(args, kwargs, nd, "dim", None if op is not T.amax else ())
+        if dims is None or at % nd not in dims:
+            return _on_dense(op, (self, *args), kwargs)
+        out = lazy().unsqueeze(at)
+        rest = sorted(dims - {at % nd})
+        if rest:
+            out = op(out, rest, keepdim=True)
+        return out if keepdim else out.squeeze(tuple(sorted(dims)))
+
+    def _key_sums(self) -> torch.Tensor:
+        """Attention each key receives, summed over the queries: (*lead, S)."""
         self._check_fresh()
         if self._shape_only:
             return self._zeros(self._inputs.key.shape[2])
         return self._lead(self._read("sum", rule=lambda _: grads.key_sums_rule()))
-
-    def mean(self, dim: int = -2) -> torch.Tensor:
-        """sum(dim=-2) divided by the number of queries L: (*lead, S)."""
-        self._check_query_dim(dim, "mean")
-        return self.sum(dim) / max(1, self._inputs.query.shape[-2])
 
     def entropy(self) -> torch.Tensor:
         """-sum_j p_ij ln p_ij for each query, in nats: (*lead, L); 0 for rows that see
@@ -541,24 +544,55 @@ class AttentionWeights:
             return self._zeros(self._inputs.query.shape[2])
         return self._lead(self._read("entropy", rule=lambda _: grads.entropy_rule()))
 
-    def amax(self, dim: int = -1) -> torch.Tensor:
-        """The largest weight of each query row, like torch.amax(w, dim=-1): (*lead, L);
-        0 for rows that see no key. Only dim=-1 (over the keys)."""
-        if dim not in (-1, len(self._inputs.shape) - 1):
-            raise SdpaValueError(
-                f"amax works over the keys, dim=-1 (-> (..., L): each query's largest "
-                f"weight), got dim={dim}; for the queries a key attends most, use "
-                f"w[...] rows or w.sum(dim=-2)"
-            )
+    def amax(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """torch.amax of the weights: lazy over dims that include the keys (each query
+        row's largest weight, (*lead, L), 0 for rows that see no key, then the other
+        dims of that); other dims take the dense weights."""
+        return self._reduce(torch.Tensor.amax, self._row_max, -1, args, kwargs)
+
+    def _row_max(self) -> torch.Tensor:
         self._check_fresh()
         if self._shape_only:
             return self._zeros(self._inputs.query.shape[2])
         return self._lead(self._read("amax", rule=grads.amax_rule))
 
-    def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k largest weights of each query row and their key indices, like
-        torch.topk(w, k, dim=-1): (values, indices), each (*lead, L, k). Rows that see
-        no key give values 0."""
+    def max(self, *args: object, **kwargs: object):
+        """torch.max of the weights: over the keys (dim=-1) lazy, torch.return_types.max
+        (values, indices), each (*lead, L), from topk(1); otherwise (no dim: the largest
+        weight; another tensor: elementwise) on the dense weights."""
+        nd = len(self._inputs.shape)
+        if not args and not kwargs:  # the largest weight of all
+            return self.amax()
+        dims, keepdim = _reduction(args, kwargs, nd, "dim", -nd - 1)
+        if dims != {nd - 1} or not (args or "dim" in kwargs):
+            return _on_dense(torch.Tensor.max, (self, *args), kwargs)
+        values, indices = self._topk(1)
+        if not keepdim:
+            values, indices = values[..., 0], indices[..., 0]
+        return torch.return_types.max((values, indices))
+
+    def argmax(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """torch.argmax of the weights: over the keys (dim=-1) lazy (the key each query
+        attends most, from topk(1)); otherwise on the dense weights."""
+        nd = len(self._inputs.shape)
+        dims, keepdim = _reduction(args, kwargs, nd, "dim", -nd - 1)
+        if dims != {nd - 1}:
+            return _on_dense(torch.Tensor.argmax, (self, *args), kwargs)
+        with torch.no_grad():  # (indices carry no gradient)
+            indices = self._topk(1)[1]
+        return indices if keepdim else indices[..., 0]
+
+    def topk(self, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+        """torch.topk of the weights: over the keys (dim=-1, largest) lazy, the k largest
+        weights of each query row and their key indices, torch.return_types.topk
+        (values, indices), each (*lead, L, k); rows that see no key give values 0.
+        Other dims, or largest=False, take the dense weights."""
+        nd = len(self._inputs.shape)
+        if largest is not True or _dim(dim, nd) != nd - 1:
+            return _on_dense(torch.Tensor.topk, (self, k, dim, largest, sorted), {})
+        return torch.return_types.topk(self._topk(k))
+
+    def _topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self._inputs
         S = i.key.shape[-2]
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= S:
@@ -570,12 +604,64 @@ class AttentionWeights:
         values, indices = self._read("topk", k, rule=lambda v: grads.topk_rule(v[1]))
         return self._lead(values), self._lead(indices)
 
-    def _check_query_dim(self, dim: int, what: str) -> None:
-        if dim not in (-2, len(self._inputs.shape) - 2):
-            raise SdpaValueError(
-                f"{what} works over the queries, dim=-2 (-> (..., S): attention each key "
-                f"receives), got dim={dim}; over the keys (dim=-1) every row sums to 1"
-            )
+    @property
+    def requires_grad(self) -> bool:
+        """As the listing's p_attn: True where q, k, a float mask or the sinks require
+        grad (and the call was not under sdpa.frozen()); its reads then carry gradients."""
+        i = self._inputs
+        mask, sinks = i.tensor_mask, i.sinks
+        return not self._frozen and (
+            i.query.requires_grad
+            or i.key.requires_grad
+            or (mask is not None and mask.requires_grad)
+            or (sinks is not None and sinks.requires_grad)
+        )
+
+    def detach(self) -> AttentionWeights:
+        """A lazy handle on the same weights whose reads carry no gradient (q, k, the
+        mask and the sinks detached: they share the originals' version counters, so
+        the twin goes stale with them). O(1)."""
+        self._check_fresh()
+        i = self._inputs
+        inputs = i._replace(
+            query=i.query.detach(),
+            key=i.key.detach(),
+            value=i.value.detach(),
+            mask=masks.from_state(masks.state_of(i.mask)),
+            sinks=None if i.sinks is None else i.sinks.detach(),
+        )
+        probs = None if self._probs is None else self._probs.detach()
+        return handle(inputs, self._lse, probs, self._backend)
+
+    def to(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """The handle itself where nothing changes (as torch returns the tensor itself),
+        else the dense weights converted."""
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if (
+            (device is None or torch.device(device) == self.device)
+            and (dtype is None or dtype == self.dtype)
+            and memory_format in (None, torch.preserve_format)
+            and not kwargs.get("copy", False)
+        ):
+            return self
+        return _on_dense(torch.Tensor.to, (self, *args), kwargs)
+
+    def cpu(self, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.device.type == "cpu" and not args and not kwargs:
+            return self
+        return _on_dense(torch.Tensor.cpu, (self, *args), kwargs)
+
+    def _dense(self, op: str) -> torch.Tensor:
+        """The dense weights for an op no lazy read answers, within the default budget;
+        past it WeightsTooLargeError naming the op and the lazy reads."""
+        check_fits(
+            f"{op} on AttentionWeights takes the dense weights in {self.dtype}: they",
+            tuple(self._inputs.shape),
+            torch.finfo(self.dtype).bits // 8,
+            DEFAULT_MAX_BYTES,
+            LAZY_READS + "; or w.full(max_bytes=None)",
+        )
+        return self.full()
 
     # -- saving and copying ----------------------------------------------------------
 
@@ -586,13 +672,13 @@ class AttentionWeights:
         copy reads
         exactly as this handle and carries no gradient. torch.load(..., weights_only=
         True) loads it (sdpa allowlists this class). A stale handle refuses."""
-        return copyreg.__newobj__, (AttentionWeights,), self._state()
+        return _from_state, (self._state(),)
 
     def __deepcopy__(self, memo: dict) -> AttentionWeights:
         """A detached copy of the recipe (q, k, the mask, LSE, sinks cloned): reads as
         this handle, carries no gradient, and never goes stale through the originals."""
-        twin = AttentionWeights.__new__(AttentionWeights)
-        twin.__setstate__(copy.deepcopy(self._state(), memo))
+        twin = _from_state(copy.deepcopy(self._state(), memo))
+        memo[id(self)] = twin
         return twin
 
     def _state(self) -> dict:
@@ -619,28 +705,287 @@ class AttentionWeights:
             "frozen": self._frozen,
         }
 
-    def __setstate__(self, state: dict) -> None:
-        if state.get("format") != 1:
-            raise SdpaValueError(
-                f"saved AttentionWeights of format {state.get('format')!r}; this sdpa "
-                f"reads format 1 (saved by a newer sdpa?)"
-            )
-        inputs = Inputs(
-            state["query"], state["key"], state["value"], masks.from_state(state["mask"]),
-            state["scale"], state["dropout_p"], tuple(state["lead"]), state["softcap"],
-            state["sinks"],
-        )  # fmt: skip
-        name = state["backend"]
-        self._inputs, self._lse, self._probs = inputs, state["lse"], state["probs"]
-        self._versions = _versions(inputs)
-        self._backend = None if name is None else BACKENDS.get(name)
-        self._frozen = state["frozen"]
-
     def _every_row(self) -> rows.Rows:
         return rows.Rows.every(self._inputs, self._log_sum_exp())
 
 
+class AttentionWeights(_Reads, torch.Tensor):
+    """Lazy view of the attention weights, shape (*lead, L, S) (query heads for GQA): a
+    torch.Tensor (a wrapper subclass with the listing's shape, dtype and device, that
+    holds no storage) which computes only what is read.
+
+    Every torch op answers as the dense tensor would, in one of two ways chosen by one
+    table (`READS`, in `__torch_function__`, above autograd): a lazy read (indexing,
+    sum / mean over the queries, amax / max / argmax / topk over the keys, diagonal,
+    products, entropy, kl, max_logits, pairs, detach) in O(rows x S) or O(L + S) memory;
+    or, for any other op (or arguments a lazy read does not take), the op on the dense
+    weights within the default `max_bytes` (past it WeightsTooLargeError naming the lazy
+    reads). In-place ops, `out=` and storage access refuse by name (take `w.full()`, a
+    dense copy of your own). Gradients flow to q, k, a float mask and the sinks; the
+    handle itself is never an autograd node (`w.retain_grad()` and hooks refuse by name:
+    take them on `p = w.full()`). Inside a torch.compile region the call hands out a
+    GraphWeights instead, with the same reads.
+
+    Shapes: query (..., L, E), key (..., S, E) -> weights (..., L, S); with heads,
+    (..., Hq, L, S). Values are the softmax probabilities *before* dropout, in float32
+    for 16-bit inputs. Rows that see no key are all 0.
+
+    The handle keeps q, k and the mask by reference, not by copy. An in-place change
+    made through torch (k.mul_(2), a KV-cache write, resize_, set_) bumps their version
+    counters, and every access then raises StaleWeightsError rather than answer for
+    other inputs. Writes torch cannot see are not detected: through `.data`, a numpy
+    view (`t.numpy()`), or another tensor sharing the storage; nor are tensors made
+    under torch.inference_mode (they have no counter). Read the weights before such a
+    write, or pass a clone.
+
+    served_by: the backend and path that computed the call (e.g. "fused: one kernel
+    call"), as sdpa.explain describes them.
+    """
+
+    @staticmethod
+    def __new__(
+        cls,
+        inputs: Inputs,
+        lse: torch.Tensor | None,
+        probs: torch.Tensor | None = None,
+        backend: object = None,
+        frozen: bool = False,
+    ):
+        # O(1), nothing allocated: a tensor of the weights' shape, dtype and device
+        return torch.Tensor._make_wrapper_subclass(
+            cls, inputs.shape, dtype=inputs.compute_dtype, device=inputs.query.device
+        )
+
+    # -- the tensor protocol ---------------------------------------------------------
+
+    def backward(self, *args: object, **kwargs: object):
+        _refuses_grad("backward")()
+
+    def retain_grad(self):
+        _refuses_grad("retain_grad")()
+
+    def register_hook(self, hook: Callable):
+        _refuses_grad("register_hook")()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Every torch op on a handle: a lazy read (READS), the wrapper's own metadata
+        (shape, dims, device), a refusal (in place, out=, storage, gradients of the
+        handle itself), else the op on the dense weights within the default budget."""
+        kwargs = {} if kwargs is None else kwargs
+        read = READS.get(func)
+        if read is not None:
+            return read(*args, **kwargs)
+        if func in METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        return _on_dense(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """A safety net: every op is answered above autograd (__torch_function__), so one
+        that reaches the handle's (absent) storage refuses by name."""
+        raise NotSupportedError(
+            f"{func} reached AttentionWeights below torch's function layer (with torch "
+            f"functions disabled?): the handle holds no storage; take w.full() for a dense "
+            f"copy of your own"
+        )
+
+
+class GraphWeights(_Reads):
+    """The handle made inside a torch.compile region: the same recipe and reads as
+    AttentionWeights, as a plain object, since dynamo cannot create a tensor subclass in
+    a graph. Its reads may graph-break (the rows engine runs eagerly); torch ops on it
+    (w * 2, torch.stack) are not taken: read it (w[...], w.sum(dim=-2), w.full()) or
+    return it from the compiled function and use it outside."""
+
+
+def handle(
+    inputs: Inputs,
+    lse: torch.Tensor | None,
+    probs: torch.Tensor | None = None,
+    backend: object = None,
+    frozen: bool = False,
+) -> AttentionWeights | GraphWeights:
+    """The weights of an attention call: an AttentionWeights tensor, or inside a
+    torch.compile region a GraphWeights."""
+    cls = GraphWeights if torch.compiler.is_compiling() else AttentionWeights
+    return cls(inputs, lse, probs, backend, frozen)
+
+
+HANDLES = (AttentionWeights, GraphWeights)
+"""Both kinds of handle, for isinstance."""
+
+
+# -- the table of reads ---------------------------------------------------------------
+
+LAZY_READS = (
+    "Lazy reads work in O(chunk x S) memory: rows and key columns (w[b, h, i], "
+    "w[b, :, i:j], w[..., j]), w.sum(dim=-2), w.mean(dim=-2), w.amax(-1), w.max(-1), "
+    "w.topk(k), w.entropy(), torch.diagonal(w, offset, -2, -1), w.pairs(i, j), w @ x "
+    "and u @ w"
+)
+
+
+def _dim(dim: object, nd: int) -> int | None:
+    """dim (an int, or a sequence of one int) as a dim of an nd-dim tensor, else None."""
+    if isinstance(dim, list | tuple) and len(dim) == 1:
+        dim = dim[0]
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -nd <= dim < nd:
+        return None
+    return dim % nd
+
+
+def _reduction(
+    args: tuple, kwargs: dict, nd: int, name: str = "dim", default: object = None
+) -> tuple[frozenset[int] | None, bool]:
+    """(dims, keepdim) of a reduction called as (dim[, keepdim]) with at most those
+    keywords (and dtype=None): dims normalised (None or () for every dim); dims None
+    for any other call (a dim out of range, another tensor, a dtype)."""
+    if len(args) > 2 or not set(kwargs) <= {name, "keepdim", "dtype"}:
+        return None, False
+    if kwargs.get("dtype") is not None or (len(args) == 2 and "keepdim" in kwargs):
+        return None, False
+    dim = args[0] if args else kwargs.get(name, default)
+    keepdim = args[1] if len(args) == 2 else kwargs.get("keepdim", False)
+    if not isinstance(keepdim, bool) or (args and name in kwargs):
+        return None, False
+    if dim is None or (isinstance(dim, list | tuple) and not dim):
+        return frozenset(range(nd)), keepdim
+    dims = [_dim(d, nd) for d in (dim if isinstance(dim, list | tuple) else [dim])]
+    if None in dims or len(set(dims)) != len(dims):
+        return None, False
+    return frozenset(dims), keepdim
+
+
+def _name(func: object) -> str:
+    """A torch function's name as a user wrote it: `Tensor.mul_`, `torch.stack`, `data`
+    for an attribute."""
+    name = getattr(func, "__name__", None) or repr(func)
+    if name in ("__get__", "__set__", "__delete__"):  # an attribute of the tensor
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _holds_handle(x: object) -> bool:
+    return isinstance(x, _Reads) or (
+        isinstance(x, list | tuple) and any(isinstance(y, _Reads) for y in x)
+    )
+
+
+_STORAGE = frozenset({"data_ptr", "untyped_storage", "storage", "_typed_storage", "is_shared"})
+_IN_PLACE_OPERATORS = "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift"
+_WRITES = frozenset({"__setitem__", "__set__", "__delete__"}) | {
+    f"__i{op}__" for op in _IN_PLACE_OPERATORS.split(" ")
+}
+
+
+def _on_dense(func: Callable, args: tuple, kwargs: dict) -> object:
+    """func on the dense weights of every handle among its arguments (each within the
+    default budget), as the listing's tensor would answer; refused by name where it
+    would write into a handle or read its storage."""
+    name = _name(func)
+    raw = getattr(func, "__name__", "")
+    target = args[0] if args else None
+    writes = raw in _WRITES or (raw.endswith("_") and not raw.startswith("__"))
+    if isinstance(target, _Reads) and (writes or raw in _STORAGE):
+        what = "writes into" if writes else "reads the storage of"
+        raise NotSupportedError(
+            f"`{name}` {what} AttentionWeights, a lazy tensor with no storage of its own "
+            f"(its values are computed from q, k and the LSE as they are read); take a "
+            f"dense copy of your own first: p = w.full() (or w.clone()), then p.{name}"
+        )
+    if _holds_handle(kwargs.get("out")):
+        raise NotSupportedError(
+            f"`{name}` with out= an AttentionWeights: the handle has no storage to write "
+            f"into; pass out= a tensor of your own (e.g. w.full())"
+        )
+
+    def dense(x: object) -> object:
+        if isinstance(x, _Reads):
+            return x._dense(f"`{name}`")
+        if isinstance(x, list | tuple) and _holds_handle(x):
+            return type(x)(dense(y) for y in x)
+        return x
+
+    return func(*(dense(a) for a in args), **{k: dense(v) for k, v in kwargs.items()})
+
+
+def _matmul(a: object, b: object) -> torch.Tensor:
+    return a.__matmul__(b) if isinstance(a, _Reads) else b.__rmatmul__(a)
+
+
+def _refuses_grad(name: str) -> Callable:
+    def refuse(*args: object, **kwargs: object):
+        raise NotSupportedError(
+            f"w.{name}: gradients with respect to the weights themselves are L x S by "
+            f"nature, and the lazy handle is not an autograd node (its reads carry "
+            f"gradients to q, k, the mask and the sinks); take p = w.full(), a dense "
+            f"tensor in the graph, and call p.{name}"
+        )
+
+    return refuse
+
+
+T = torch.Tensor
+GRAD_OF_HANDLE = ("retain_grad", "register_hook", "register_post_accumulate_grad_hook", "backward")
+READS: dict[Callable, Callable] = {
+    **dict.fromkeys((torch.sum, T.sum), AttentionWeights.sum),
+    **dict.fromkeys((torch.mean, T.mean), AttentionWeights.mean),
+    **dict.fromkeys((torch.amax, T.amax), AttentionWeights.amax),
+    **dict.fromkeys((torch.max, T.max), AttentionWeights.max),
+    **dict.fromkeys((torch.argmax, T.argmax), AttentionWeights.argmax),
+    **dict.fromkeys((torch.topk, T.topk), AttentionWeights.topk),
+    **dict.fromkeys((torch.diagonal, T.diagonal), AttentionWeights.diagonal),
+    **dict.fromkeys((torch.matmul, T.matmul, T.__matmul__), _matmul),
+    T.__rmatmul__: lambda a, b: _matmul(b, a),
+    T.__getitem__: AttentionWeights.__getitem__,
+    **dict.fromkeys((torch.detach, T.detach, T.data.__get__), AttentionWeights.detach),
+    T.requires_grad.__get__: AttentionWeights.requires_grad.fget,
+    T.to: AttentionWeights.to,
+    T.cpu: AttentionWeights.cpu,
+    T.__format__: lambda w, spec: object.__format__(w, spec),  # (its repr: lazy)
+    **{getattr(T, name): _refuses_grad(name) for name in GRAD_OF_HANDLE},
+}
+"""Each torch function a handle answers lazily (or refuses): the rest are METADATA or
+answered on the dense weights (_on_dense)."""
+
+METADATA = frozenset(
+    {
+        T.size, T.dim, T.ndimension, T.numel, T.nelement, T.__len__, T.__hash__,
+        T.is_floating_point, T.is_complex, T.element_size, T.get_device, T.stride,
+        T.is_contiguous,
+    }
+    | {
+        getattr(T, name).__get__
+        for name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_cpu",
+                     "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn",
+                     "itemsize", "nbytes", "grad", "grad_fn", "is_leaf")
+    }
+)  # fmt: skip
+"""What the wrapper answers from its own metadata (the dense tensor's shape, strides,
+dtype and device): never a value."""
+
+
 # -- providers -----------------------------------------------------------------------
+
+
+def _from_state(state: dict) -> AttentionWeights:
+    """A handle from AttentionWeights._state (torch.load, pickle, deepcopy)."""
+    if not isinstance(state, dict) or state.get("format") != 1:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise SdpaValueError(
+            f"saved AttentionWeights of format {got!r}; this sdpa reads format 1 (saved by "
+            f"a newer sdpa?)"
+        )
+    inputs = Inputs(
+        state["query"], state["key"], state["value"], masks.from_state(state["mask"]),
+        state["scale"], state["dropout_p"], tuple(state["lead"]), state["softcap"],
+        state["sinks"],
+    )  # fmt: skip
+    name = state["backend"]
+    backend = None if name is None else BACKENDS.get(name)
+    return AttentionWeights(inputs, state["lse"], state["probs"], backend, state["frozen"])
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -1108,4 +1453,4 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | tor
 
 # torch.load(..., weights_only=True) of a saved handle: its state is tensors, numbers,
 # strings, tuples and a dict (AttentionWeights._state); only the class is allowlisted.
-torch.serialization.add_safe_globals([AttentionWeights])
+torch.serialization.add_safe_globals([AttentionWeights, _from_state])

@@ -43,12 +43,13 @@ def fits(inputs: Inputs) -> bool:
 def one_product(inputs: Inputs) -> bool:
     """Whether lazy weights of `inputs` are best computed whole (up to the settings'
     one_product_weights scores)."""
+    if torch.compiler.is_compiling():  # (first: the settings' ContextVar would break a graph)
+        return False
     B, Hq, L, _ = inputs.query.shape
     return (
         known(B * Hq * L * inputs.key.shape[2] <= settings.get().one_product_weights)
         and inputs.softcap is None
         and inputs.sinks is None
-        and not torch.compiler.is_compiling()
     )
 
 

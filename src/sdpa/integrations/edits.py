@@ -43,7 +43,7 @@ from sdpa import masks
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
 from sdpa.functional import AttentionResult, attention
 from sdpa.integrations.deferred import Deferred, Where, with_edit
-from sdpa.weights import AttentionWeights
+from sdpa.weights import HANDLES
 
 Index = int | Sequence[int] | slice | torch.Tensor | None
 
@@ -868,7 +868,7 @@ def answer_of(got, query: torch.Tensor, value: torch.Tensor, where: str):
     diffusers edits share."""
     result = isinstance(got, AttentionResult)
     out, weights = (got.output, got.weights) if result else (got, None)
-    if not isinstance(out, torch.Tensor) or (result and not isinstance(weights, AttentionWeights)):
+    if not isinstance(out, torch.Tensor) or (result and not isinstance(weights, HANDLES)):
         raise SdpaTypeError(
             f"the edit function must return a tensor (B, H, L, Dv), an sdpa.AttentionResult "
             f"or None, got {type(got).__name__} for {where}"

@@ -12,7 +12,7 @@ duplicate token (i, j) with j < i and token j == token i; induction (i, j) with
 With P a head's pattern, error_measure "mul" scores sum(P * D) / sum(P) and "abs"
 1 - round(sum |P - D| / L, 3), after exclude_bos (P[:, 0] = 0) and
 exclude_current_token (the diagonal 0), as detect_head does. Both need only P at the
-marked pairs, in column 0 and on the diagonal (w.pairs, w[..., 0], w.diagonal()),
+marked pairs, in column 0 and on the diagonal (w.pairs, w[..., 0], w.diagonal(0, -2, -1)),
 and sum(P) = L (every query row sums to 1: self-attention with every query seeing a
 key, no attention sinks). Shapes: tokens (L,) or (B, L); weights (B, H, L, L).
 
@@ -147,7 +147,7 @@ def score(
         )  # (B, L): the marked pairs left in each row
         rows = (pairs_in > 0).to(w.device, dt)[:, None, :]
     col0 = w[..., 0].to(dt) * rows  # (B, H, L): P[i, 0] of the rows summed
-    diag = w.diagonal().to(dt) * rows  # (B, H, L): P[i, i]
+    diag = w.diagonal(0, -2, -1).to(dt) * rows  # (B, H, L): P[i, i]
     corner = col0[..., 0]  # P[0, 0], in both
     n_rows = rows.sum(-1)  # (B, 1): L, or the marked rows
     total = n_rows.expand(B, H).clone()  # every row sums to 1

@@ -1,0 +1,137 @@
+"""AttentionWeights is a torch.Tensor: the habits people bring from the listing's p_attn
+(issue 35's "Why") give the dense tensor's answer, gradients included; what can be
+neither lazy nor dense refuses by name."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+
+import sdpa
+
+from conftest import make_inputs
+
+matplotlib.use("Agg")
+
+# habit -> the same on a tensor (applied to the handle and to its dense weights)
+HABITS = {
+    "numpy": lambda w: torch.from_numpy(w.detach().numpy()),
+    "asarray": lambda w: torch.from_numpy(np.asarray(w.detach())),
+    "tolist": lambda w: torch.tensor(w.detach().tolist()),
+    "detach": lambda w: w.detach()[0, 1],
+    "cpu": lambda w: w.cpu()[..., 2],
+    "to-float64": lambda w: w.to(torch.float64),
+    "max": lambda w: w.max(-1).values,
+    "amax-all": lambda w: w.amax(),
+    "head-mean": lambda w: w.mean(dim=1),
+    "row-sums": lambda w: w.sum(-1),
+    "mean-keepdim": lambda w: w.mean(1, keepdim=True),
+    "sum-all": lambda w: w.sum(),
+    "stack": lambda w: torch.stack([w, w]),
+    "cat": lambda w: torch.cat([w, w], dim=-1),
+    "times-mask": lambda w: w * (torch.arange(w.shape[-1]) % 2),
+    "greater": lambda w: (w > 0.1).to(torch.float32),
+    "bool-index": lambda w: w[torch.tensor([True, False])],
+    "topk-values": lambda w: w.topk(2).values,
+    "diagonal": lambda w: torch.diagonal(w[0], -1, -2, -1),
+    "where": lambda w: torch.where(w > 0.2, w, 0.0),
+    "softmax-again": lambda w: torch.softmax(w, -1),
+}
+
+
+@pytest.mark.parametrize("habit", list(HABITS))
+def test_a_habit_equals_the_dense_tensors_gradients_included(gen, habit):
+    q, k, v, _ = make_inputs(gen, B=2, Hq=3, L=7, S=9)
+    q.requires_grad_()
+    w = sdpa.attention(q, k, v).weights
+    got, want = HABITS[habit](w), HABITS[habit](w.full())
+    assert type(got) is torch.Tensor and got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # (sums: fp32 order)
+    if got.requires_grad:
+        (g_got,) = torch.autograd.grad(got.double().square().sum(), q)
+        (g_want,) = torch.autograd.grad(HABITS[habit](w.full()).double().square().sum(), q)
+        torch.testing.assert_close(g_got, g_want, atol=1e-5, rtol=0)  # fp32 gradients
+    else:
+        assert not want.requires_grad, "the dense twin carries a gradient the habit dropped"
+
+
+def test_the_handle_is_a_tensor_of_the_listings_shape_dtype_and_device(gen):
+    q, k, v, _ = make_inputs(gen, B=2, Hq=3, L=7, S=9)
+    q16 = q.to(torch.bfloat16).requires_grad_()
+    w = sdpa.attention(q16, k.to(torch.bfloat16), v.to(torch.bfloat16)).weights
+    assert isinstance(w, torch.Tensor) and isinstance(w, sdpa.AttentionWeights)
+    assert w.shape == (2, 3, 7, 9) and w.size(-1) == 9 and w.ndim == 4 and len(w) == 2
+    assert w.dtype == torch.float32 and w.device == q.device  # float32 for 16-bit inputs
+    assert w.requires_grad and w.grad_fn is None  # answers as p_attn; not an autograd node
+    assert not w.detach().requires_grad and not w.data.requires_grad
+    assert hash(w) == id(w)
+
+
+def test_detach_is_lazy_carries_no_gradient_and_goes_stale_with_the_original(gen):
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=300, S=260)  # the rows engine's sizes
+    q.requires_grad_()
+    w = sdpa.attention(q, k, v).weights
+    twin = w.detach()
+    assert isinstance(twin, sdpa.AttentionWeights)
+    row = twin[0, 1, 5]
+    assert not row.requires_grad
+    torch.testing.assert_close(row, w[0, 1, 5].detach(), atol=0, rtol=0)
+    with torch.no_grad():
+        k.mul_(2)
+    for handle in (w, twin):
+        with pytest.raises(sdpa.StaleWeightsError, match="key changed in place"):
+            handle * 2  # a dense op refuses as a lazy read does
+        with pytest.raises(sdpa.StaleWeightsError):
+            handle.sum(dim=-2)
+
+
+@pytest.mark.parametrize(
+    "op, pattern",
+    [
+        (lambda w: w.mul_(2), "`mul_` writes into AttentionWeights"),
+        (lambda w: w.zero_(), "`zero_` writes into"),
+        (lambda w: w.__setitem__((0, 0), 1.0), "`__setitem__` writes into"),
+        (lambda w: w.__iadd__(1.0), "writes into AttentionWeights"),
+        (lambda w: w.data_ptr(), "`data_ptr` reads the storage"),
+        (lambda w: w.untyped_storage(), "`untyped_storage` reads the storage"),
+        (lambda w: torch.add(w.full(), 1, out=w), "out= an AttentionWeights"),
+        (lambda w: w.retain_grad(), r"w.retain_grad: gradients with respect to the weights"),
+        (lambda w: w.register_hook(print), r"w.register_hook: .* p = w.full\(\)"),
+        (lambda w: w.backward(), r"w.backward"),
+    ],
+)
+def test_what_is_neither_lazy_nor_dense_refuses_by_name(gen, op, pattern):
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=5, S=6)
+    w = sdpa.attention(q, k, v).weights
+    with pytest.raises(sdpa.NotSupportedError, match=pattern):
+        op(w)
+    torch.testing.assert_close(w.full(), sdpa.attention(q, k, v).weights.full())  # untouched
+
+
+def test_plotting_a_row_block_and_a_head_mean(gen):
+    import matplotlib.pyplot as plt
+
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=5, S=6)
+    q.requires_grad_()
+    w = sdpa.attention(q, k, v).weights
+    fig, ax = plt.subplots()
+    try:
+        ax.imshow(w.detach()[0, 0])
+        ax.imshow(w.detach().mean(1)[0])
+        with pytest.raises(RuntimeError, match=r"requires grad.*detach\(\)"):
+            w.numpy()  # as the dense tensor that requires grad refuses
+    finally:
+        plt.close(fig)
+
+
+def test_copies_read_as_the_original(gen):
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=5, S=6)
+    w = sdpa.attention(q, k, v).weights
+    for twin in (copy.deepcopy(w), pickle.loads(pickle.dumps(w)), copy.copy(w)):
+        assert isinstance(twin, sdpa.AttentionWeights)
+        torch.testing.assert_close(twin.mean(1), w.mean(1), atol=0, rtol=0)
