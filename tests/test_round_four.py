@@ -209,18 +209,27 @@ def _sink_case(Hkv, L, S, kind, seed):
     return q, k, v, arg, bias, z, dout
 
 
-def _listing_grads(q, k, v, bias, z, dout, dtype):
-    """The listing with a sink column, differentiated: (dq, dk, dv, dz) in dtype."""
+def _listing_grads(q, k, v, bias, z, dout, dtype, *, folded=False):
+    """The listing with a sink column, differentiated: (dq, dk, dv, dz) in dtype.
+    folded: the product with v takes a key head's G query heads as G x L rows of one
+    matmul (as transformers' and sdpa's GQA do), where the listing repeats v per head:
+    the same arithmetic summed in another order (torch's float32 matmul rounds a
+    G x L-long sum differently from G sums of L)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, z)]
     q, k, v, z = leaves
-    H = q.shape[1]
-    kk, vv = (t.repeat_interleave(H // t.shape[1], 1) for t in (k, v))
+    B, H, L, _ = q.shape
+    Hkv = k.shape[1]
+    kk, vv = (t.repeat_interleave(H // Hkv, 1) for t in (k, v))
     s = q @ kk.mT / q.shape[-1] ** 0.5
     if bias is not None:
         s = s + bias.to(dtype)
     column = z.reshape(1, H, 1, 1).expand(*s.shape[:-1], 1)
     p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
-    (p @ vv).backward(dout.to(dtype))
+    if folded:
+        out = p.reshape(B, Hkv, H // Hkv * L, -1) @ v  # (B, Hkv, G * L, E)
+        out.view(B, H, L, -1).backward(dout.to(dtype))
+    else:
+        (p @ vv).backward(dout.to(dtype))
     return [t.grad for t in leaves]
 
 
@@ -228,19 +237,24 @@ def _listing_grads(q, k, v, bias, z, dout, dtype):
 @pytest.mark.parametrize("i", range(len(SINK_CASES)))
 def test_the_sinks_gradient_is_within_flash_attentions_rule(engine, i):
     """|ours - truth| <= 2 |listing32 - truth| + atol, atol = 2 x the rounding of
-    truth + 0.3 - 0.3 in float32 (flash-attention's tests), for dq, dk, dv and dsink."""
+    truth + 0.3 - 0.3 in float32 (flash-attention's tests), for dq, dk, dv and dsink.
+    listing32's error is the larger of the listing's two float32 summation orders
+    (per head, and a key head's query heads folded into one product): on this CPU a
+    folded dv, from the float32-rounded exact weights, is off by 2.2e-6 where the
+    per-head one is off by 5.9e-7 (case (2, 113, 128, 'padding'))."""
     q, k, v, arg, bias, z, dout = _sink_case(*SINK_CASES[i], seed=3300 + i)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, z)]
     out, w, _ = run_or_skip(engine, *leaves[:3], masks.sinks(leaves[3], arg))
     out.backward(dout)
     truth = _listing_grads(q, k, v, bias, z, dout, torch.float64)
-    listing = _listing_grads(q, k, v, bias, z, dout, torch.float32)
+    per_head = _listing_grads(q, k, v, bias, z, dout, torch.float32)
+    folded = _listing_grads(q, k, v, bias, z, dout, torch.float32, folded=True)
     failed = []
-    for name, ours, t64, t32 in zip(
-        ("dq", "dk", "dv", "dsink"), leaves, truth, listing, strict=True
+    for name, ours, t64, t32, f32 in zip(
+        ("dq", "dk", "dv", "dsink"), leaves, truth, per_head, folded, strict=True
     ):
         mine = (ours.grad.double() - t64).abs().max().item()
-        theirs = (t32.double() - t64).abs().max().item()
+        theirs = max((t.double() - t64).abs().max().item() for t in (t32, f32))
         atol = 2 * (t64.float() + 0.3 - 0.3 - t64.float()).abs().max().item()
         if mine > 2 * theirs + atol:
             failed.append(f"{name} {mine:.2e} > 2 x {theirs:.2e} + {atol:.2e}")
