@@ -8,6 +8,7 @@ subset of families here.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -16,6 +17,7 @@ import torch
 
 pytest.importorskip("transformer_lens")
 
+import einops  # (a dependency of transformer_lens)
 from transformer_lens.model_bridge import TransformerBridge
 
 import sdpa
@@ -196,6 +198,81 @@ def test_activation_cache_calls(pair):
             close(r1["pattern", 1][0, -1], r0["pattern", 1][0, -1])
         finally:
             r1.toggle_autodiff(True)
+
+
+# TransformerLens idioms on a cached pattern (issue 35's "Why"): name -> the idiom, run
+# on the eager cache and on sdpa's, whose answers must agree (values at ATOL)
+CACHE_IDIOMS = {
+    "index": lambda c: c["pattern", 1][0, 2, 5],
+    "sum(-1)": lambda c: c["pattern", 1].sum(-1),
+    "sum()": lambda c: c["pattern", 1].sum(),
+    "head mean": lambda c: c["pattern", 1].mean(1),
+    "max(-1).values": lambda c: c["pattern", 1].max(-1).values,
+    "topk(k).values": lambda c: c["pattern", 1].topk(3).values,
+    "topk of a stack": lambda c: c.stack_activation("pattern").topk(3).values,
+    "== itself": lambda c: c["pattern", 1] == c["pattern", 1],
+    "* 2": lambda c: c["pattern", 1] * 2,
+    "> 0.01": lambda c: (c["pattern", 1] > 0.01).float().sum(-1),
+    "numpy": lambda c: torch.from_numpy(c["pattern", 1].numpy()),
+    "diagonal": lambda c: torch.diagonal(c["pattern", 1][0], -1, -2, -1),
+    "diagonal of heads": lambda c: c["pattern", 0][:, 1:3].diagonal(offset=2, dim1=-2, dim2=3),
+    "diagonal, torch's dims": lambda c: c["pattern", 0][1, 2].diagonal(),
+    "diagonal of a cast": lambda c: c["pattern", 0].double().diagonal(0, 2, 3),
+    "bfloat16 and back": lambda c: c["pattern", 1].to(torch.bfloat16).float(),
+    "bfloat16 row": lambda c: c["pattern", 1].to(torch.bfloat16).float()[0, 1, 7],
+    "bfloat16 sum(-2)": lambda c: c["pattern", 1].to(torch.bfloat16).sum(-2),
+    "bfloat16 mean(-1)": lambda c: c["pattern", 1].to(torch.bfloat16).mean(-1),
+    "bfloat16 sum in float32": lambda c: c["pattern", 1].bfloat16().sum(-2, dtype=torch.float32),
+    "float64 topk": lambda c: c["pattern", 1].double().topk(2).values,
+    "deepcopy": lambda c: copy.deepcopy(c)["pattern", 1],
+    "stack_activation": lambda c: c.stack_activation("pattern"),
+    "rearrange": lambda c: einops.rearrange(c["pattern", 1], "b h q k -> (b h) q k"),
+    "reduce": lambda c: einops.reduce(c["pattern", 1], "b h q k -> b q k", "mean"),
+    "narrow": lambda c: c["pattern", 1].narrow(-1, 0, 5),
+    "transpose": lambda c: c["pattern", 1].transpose(-1, -2)[0, 0, 3],
+}
+
+
+@pytest.fixture(scope="module")
+def caches(pair):
+    eager, ours = pair
+    ids = tokens(B=2, L=L_FUSED)  # the fused kernel's sizes: weights rebuilt from the LSE
+    with torch.no_grad():
+        return eager.run_with_cache(ids, names_filter=PATTERNS)[1], ours.run_with_cache(
+            ids, names_filter=PATTERNS
+        )[1]
+
+
+@pytest.mark.parametrize("idiom", list(CACHE_IDIOMS))
+def test_a_cache_idiom_answers_as_on_eager(caches, idiom):
+    """Each idiom gives eager's answer, of its type, shape and dtype: topk's
+    torch.return_types (`.values`), a cast to bfloat16 rounds (then reductions see the
+    rounded values), a stack's topk, ..."""
+    c0, c1 = caches
+    want, got = CACHE_IDIOMS[idiom](c0), CACHE_IDIOMS[idiom](c1)
+    assert type(got) is type(want) or isinstance(got, deferred.Deferred)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    # bfloat16: eager's and sdpa's float32 weights differ by rounding (1e-8), which may
+    # put a value on the other side of a bfloat16 rounding boundary: one bf16 ulp
+    atol = ATOL if "bfloat16" not in idiom else 2**-8 * want.abs().max().item()
+    close(got, want, atol=atol)
+    if "bfloat16" in idiom:  # the same ops on sdpa's own dense weights: the rounding
+        twin = {("pattern", 1): deferred.dense_of(c1["pattern", 1], None)}
+        close(got, CACHE_IDIOMS[idiom](twin), atol=1e-6)
+
+
+def test_a_cached_patterns_diagonal_is_lazy(caches):
+    """Previous-token and induction scores (torch.diagonal over the query and key dims of
+    a cached pattern or its view) never form an L x S tensor: AttentionWeights' pairs."""
+    _, c1 = caches
+    p = c1["pattern", 1]
+    L = p.shape[-1]
+    with _Scores(L, L) as seen:
+        torch.diagonal(p[0], -1, -2, -1), p[:, 2].diagonal(offset=5, dim1=-2, dim2=-1)
+    assert seen.made == 0
+    with _Scores(L, L) as seen:
+        p[0] * 1  # (the check sees a dense read)
+    assert seen.made >= 1
 
 
 def test_dense_needs_the_budget(llama_path, tok):
@@ -385,6 +462,45 @@ def test_intercept_understands_eager_code(variant):
     close(s, want_s)
     if variant == "padding":
         close(p[0, 1, 3], want_p[0, 1, 3])  # a row that sees no key, read as eager's
+
+
+def test_a_pattern_with_its_sink_column_answers_every_read():
+    """GPT-OSS's softmax over the keys and a sink column, before eager drops the column:
+    the sink's mass (p[..., -1]), rows, row sums, narrow, topk and casts read eager's
+    values (replayed rows), and p[..., :-1] is still sdpa's call with masks.sinks."""
+    g = torch.Generator().manual_seed(0)
+    L = S = 300
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (L, S, S))
+    sinks = torch.randn(4, generator=g)
+
+    def code(q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        s = s.masked_fill(~torch.tril(torch.ones(L, S, dtype=torch.bool)), torch.finfo(s.dtype).min)
+        s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(2, -1, L, -1)], dim=-1)
+        s = s - s.max(dim=-1, keepdim=True).values
+        both = torch.nn.functional.softmax(s, dim=-1, dtype=torch.float32)
+        return torch.matmul(both[..., :-1], v), both
+
+    want, want_p = code(q, k, v)
+    with _Scores(2, 4, L, S) as seen, deferred.Intercept():
+        got, p = code(q, k, v)
+    assert seen.made == 0 and isinstance(p, deferred.LazyPattern) and p.shape == (2, 4, L, S + 1)
+    close(got, want)
+    reads = {
+        "sink mass": lambda p: p[..., -1],
+        "a row": lambda p: p[0, 1],
+        "row sums": lambda p: p.sum(-1),
+        "column sums": lambda p: p.sum(-2),
+        "narrow": lambda p: p.narrow(-1, 290, 11),
+        "topk": lambda p: p.topk(3).values,
+        "bfloat16": lambda p: p.to(torch.bfloat16).float()[1, 2, 5],
+        "dense": lambda p: p * 1,
+    }
+    for name, read in reads.items():
+        close(read(p), read(want_p), atol=0 if name != "topk" else ATOL)
+    assert isinstance(p[..., :-1].weights, sdpa.AttentionWeights)
+    with pytest.raises(sdpa.SdpaValueError, match=r"a sink column: p\[\.\.\., :-1\] has one"):
+        p.weights  # noqa: B018 (the property refuses)
 
 
 def test_unknown_op_falls_back_to_eager_values():

@@ -63,6 +63,7 @@ from sdpa.errors import (
     WeightsTooLargeError,
 )
 from sdpa.functional import attention
+from sdpa.inputs import compute_dtype
 from sdpa.weights import AttentionWeights
 
 F = torch.nn.functional
@@ -117,6 +118,7 @@ INVERT = _ops("__invert__", "logical_not", "bitwise_not")
 TRIL = _ops("tril")
 STACK = frozenset({torch.stack})
 SAME = _ops("contiguous")  # a no-op on a value nobody writes
+DIAGONAL = _ops("diagonal")
 METADATA = _ops(
     "size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride",
     "is_contiguous", "nelement", "ndimension", "get_device", "has_names", "is_signed",
@@ -327,8 +329,15 @@ class Node:
     @property
     def fused(self) -> bool:
         """Whether sdpa's weights equal this pattern (to rounding) in every row: no
-        edits, and no row that sees no key where eager and sdpa differ."""
-        return self.kind == "pattern" and not self.edits and self.dead == "sdpa"
+        edits, no row that sees no key where eager and sdpa differ, and a call (a
+        pattern with a sink column, before the sink is dropped, has none: its reads
+        replay eager's rows)."""
+        return (
+            self.kind == "pattern"
+            and not self.edits
+            and self.dead == "sdpa"
+            and self.call is not None
+        )
 
     def check_fresh(self) -> None:
         """Refuse where a tensor the recorded ops used (q, k, a mask) changed in place
@@ -480,7 +489,8 @@ def _real(a: object, x: T, sel: Selection | None, at: dict) -> object:
 class Deferred(torch.Tensor):
     """A tensor computed on demand (see the module docstring). Its attributes: _node
     (a Node, a Marker, a Stack, or Dense once changed in place), _lead (the view's choice
-    of lead entries, or None), _to ((device, dtype) the reads are converted to, or None),
+    of lead entries, or None), _to (the conversions the reads go through, in order: a
+    tuple of (device, dtype) steps, or None; .to(bfloat16).float() rounds as eager's),
     _budget (the byte limit of dense results outside a forward), _detached (reads carry
     no gradient: a cached value, as TransformerLens' cache stores value.detach()).
     Aliases: a lazy view eager would have made of another deferred tensor (detach, a
@@ -489,7 +499,7 @@ class Deferred(torch.Tensor):
 
     _node: object
     _lead: Selection | None
-    _to: tuple[torch.device, torch.dtype] | None
+    _to: tuple[tuple[torch.device, torch.dtype], ...] | None
     _budget: int | None
     _detached: bool
     _source: Deferred | None
@@ -542,7 +552,8 @@ class Deferred(torch.Tensor):
             raise SdpaValueError(
                 f"this {type(self).__name__} has no sdpa weights handle: only an unedited "
                 f"attention pattern has one (this one is {getattr(node, 'kind', 'a stack')}"
-                f"{' with edits' if isinstance(node, Node) and node.edits else ''})"
+                f"{' with edits' if isinstance(node, Node) and node.edits else ''}"
+                f"{' with a sink column: p[..., :-1] has one' if _sink_column(node) else ''})"
             )
         return node.call.get_weights()
 
@@ -597,10 +608,16 @@ class Deferred(torch.Tensor):
     # -- helpers --
 
     def _convert(self, t: T) -> T:
-        if self._to is None:
-            return t
-        device, dtype = self._to
-        return t.to(device=device, dtype=dtype)
+        """t (values of this view's node) through the view's conversions, in order."""
+        for device, dtype in self._to or ():
+            t = t.to(device=device, dtype=dtype)
+        return t
+
+    def _casts(self) -> bool:
+        """Whether a conversion changes the values' dtype: then a reduction reads rows
+        converted first, as eager reduces the converted tensor (a cast to bfloat16
+        rounds every value before they are summed)."""
+        return any(dtype != self._node.dtype for _, dtype in self._to or ())
 
     def _dense(self, max_bytes: int | str | None = "budget") -> T:
         """The dense value of this tensor (with its view and conversion)."""
@@ -615,7 +632,8 @@ class Deferred(torch.Tensor):
             self.element_size(),
             max_bytes,
             "Read less: rows (p[b, h, i]), key columns (p[..., j]), p.sum(dim=-2), "
-            "p.entropy() and p.topk(k) work in O(rows x S); or p.full(max_bytes=None)",
+            "p.entropy() and p.topk(k) work in O(rows x S), torch.diagonal(p, offset, -2, "
+            "-1) and p.weights.pairs(i, j) in O(L); or p.full(max_bytes=None)",
         )
         with _grad(self):
             if isinstance(node, Stack):
@@ -626,6 +644,12 @@ class Deferred(torch.Tensor):
 
     def _reduce(self, what: str, dim: int | None = None, k: int = 0) -> object:
         return _reduce(self, what, dim, k)
+
+
+def _sink_column(node: object) -> bool:
+    """Whether node is a pattern over the keys and a sink column (GPT-OSS's softmax of
+    the scores with the sinks concatenated), before eager drops the column."""
+    return isinstance(node, Node) and node.kind == "pattern" and node.spec.sinks is not None
 
 
 def _grad(x: Deferred) -> contextlib.AbstractContextManager:
@@ -866,7 +890,7 @@ def _handle(func, args, kwargs) -> object:
         return _alias(first, first._derive(detached=True), func, args, kwargs)
     if func in SAME:
         return first
-    if func is T.to or func is T.type or func is T.float or func is T.cpu or func is T.cuda:
+    if func in (T.to, T.type, T.cpu, T.cuda) or func in _CASTS:
         return _to(first, func, args, kwargs)
     if func is T.__getitem__ and node.kind == "pattern" and node.spec.sinks is not None:
         return _drop_sink(first, args[1])
@@ -876,6 +900,8 @@ def _handle(func, args, kwargs) -> object:
         return NotImplemented  # inside a forward a read of the scores is eager's, exactly
     if func is T.__getitem__:
         return _getitem(first, args[1])
+    if func in DIAGONAL and len(args) <= 4 and set(kwargs) <= {"offset", "dim1", "dim2"}:
+        return _diagonal(first, *args[1:], **kwargs)
     if first._lead is None and first._to is None:
         if node.kind == "scores":
             got = _score_op(first, func, args, kwargs)
@@ -1446,13 +1472,18 @@ def _to(x: Deferred, func, args, kwargs) -> object:
         return _wrap(x, replace(_record(x, T.to, (x, dtype), {})._node, dtype=dtype))
     to_device = x.device if device is None else torch.device(device)
     to_dtype = x.dtype if dtype is None else dtype
-    return x._derive(dtype=to_dtype, device=to_device, to=(to_device, to_dtype))
+    return x._derive(dtype=to_dtype, device=to_device, to=(*(x._to or ()), (to_device, to_dtype)))
+
+
+_CASTS = {T.float: torch.float32, T.double: torch.float64, T.half: torch.float16,
+          T.bfloat16: torch.bfloat16}  # fmt: skip
 
 
 def _to_args(func, rest, kwargs, x) -> tuple:
-    """(device, dtype, ok) of a .to / .type / .float / .cpu / .cuda call."""
-    if func is T.float:
-        return None, torch.float32, ()
+    """(device, dtype, ok) of a .to / .type / .float (.double, .half, .bfloat16) / .cpu /
+    .cuda call."""
+    if func in _CASTS:  # (memory_format=: eager's, densely)
+        return (None, _CASTS[func], ()) if not kwargs and not rest else (None, None, None)
     if func is T.cpu:
         return torch.device("cpu"), None, ()
     if func is T.cuda:
@@ -1677,6 +1708,28 @@ def _getitem(x: Deferred, index: object) -> object:
     return x._convert(t)
 
 
+def _diagonal(x: Deferred, offset: int = 0, dim1: int = 0, dim2: int = 1) -> object:
+    """torch.diagonal over the query and key dims of a fused pattern's view (the
+    previous-token and induction scores): AttentionWeights' lazy diagonal of the whole
+    call, O(B x H x L x E), restricted to the view's lead; else NotImplemented (eager's,
+    on the dense values)."""
+    node: Node = x._node
+    nd = x.ndim
+    if (
+        not node.fused
+        or x._casts()
+        or in_forward()
+        or isinstance(offset, bool)
+        or not isinstance(offset, int)
+        or not all(isinstance(d, int) and -nd <= d < nd for d in (dim1, dim2))
+        or (dim1 % nd, dim2 % nd) != (nd - 2, nd - 1)
+    ):
+        return NotImplemented
+    with _grad(x):
+        whole = torch.diagonal(node.call.get_weights(), offset, -2, -1)  # (B, H, n)
+    return x._convert(_lead_of(whole, x._lead, tail=1))
+
+
 def _is_whole(index: object, shape: tuple[int, ...]) -> bool:
     """Whether index picks every entry of every dim (x[:, :], x[...])."""
     items = _normalize(index, shape)
@@ -1801,8 +1854,10 @@ def _stack_op(x: Deferred, s: Stack, func, args, kwargs) -> object:
     reduced = [_reduction(item, func, (item, *args[1:]), kwargs) for item in s.items]
     if any(r is NotImplemented for r in reduced):
         return NotImplemented
-    if isinstance(reduced[0], tuple):
-        return tuple(torch.stack(parts, dim=0) for parts in zip(*reduced, strict=True))
+    if isinstance(reduced[0], tuple):  # (a torch.return_types, as torch's own answer)
+        return type(reduced[0])(
+            tuple(torch.stack(parts, dim=0) for parts in zip(*reduced, strict=True))
+        )
     return torch.stack(reduced, dim=0)
 
 
@@ -1826,11 +1881,11 @@ def _reduction(x: Deferred, func, args, kwargs) -> object:
         if extra or not isinstance(dim, int) or dim % nd not in (nd - 1, nd - 2) or len(args) > 3:
             return NotImplemented
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        # (a view cast to 16 bits: the sum in float32, rounded once, as eager's)
         out = _reduce(x, "sum_rows" if dim % nd == nd - 2 else "sum_keys")
         if func in MEAN:
             out = out / x.shape[dim]
-        if kwargs.get("dtype") is not None:
-            out = out.to(kwargs["dtype"])
+        out = out.to(kwargs.get("dtype") or x.dtype)
         return out.unsqueeze(dim) if keepdim else out
     if func in AMAX:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", ())
@@ -1864,7 +1919,7 @@ def _reduce(x: Deferred, what: str, dim: int | None = None, k: int = 0) -> objec
     if what != "sum_keys" and what != "sum_rows" and node.kind != "pattern":
         raise SdpaValueError(f"{what} is a read of an attention pattern, not of the scores")
     with _grad(x):
-        if node.fused and x._lead is None:
+        if node.fused and x._lead is None and not x._casts():
             w = node.call.get_weights()
             if what == "sum_rows":
                 return x._convert(w.sum(dim=-2))
@@ -1874,7 +1929,7 @@ def _reduce(x: Deferred, what: str, dim: int | None = None, k: int = 0) -> objec
                 return x._convert(w.amax(dim=-1))
             if what == "topk":
                 values, indices = w.topk(k)
-                return x._convert(values), indices
+                return torch.return_types.topk((x._convert(values), indices))
         return _by_chunks(x, node, what, k)
 
 
@@ -1884,14 +1939,19 @@ def _by_chunks(x: Deferred, node: Node, what: str, k: int) -> object:
     n_lead = math.prod(_lead_sizes(node.shape, lead)[:-2]) or 1
     step = max(1, ROW_BYTES // max(1, n_lead * S * 4))
     acc, parts, idx = None, [], []
+    casts = x._casts()  # then the rows are converted before they are reduced
+    finish = (lambda t: t) if casts else x._convert
     for r0 in range(0, L, step):
         rows = _rows(node, lead, slice(r0, min(L, r0 + step)), None)  # (B', H', n, S)
+        if casts:
+            rows = x._convert(rows)
+        total = compute_dtype(rows.dtype)  # sums of 16-bit values accumulate in float32
         if what == "sum_rows":
-            got = rows.sum(dim=-2)
+            got = rows.sum(dim=-2, dtype=total)
             acc = got if acc is None else acc + got
             continue
         if what == "sum_keys":
-            parts.append(rows.sum(dim=-1))
+            parts.append(rows.sum(dim=-1, dtype=total))
         elif what == "entropy":
             logp = rows.clamp_min(torch.finfo(rows.dtype).tiny).log()
             parts.append(-(rows * logp).sum(dim=-1))
@@ -1902,11 +1962,11 @@ def _by_chunks(x: Deferred, node: Node, what: str, k: int) -> object:
             parts.append(values)
             idx.append(indices)
     if what == "sum_rows":
-        return x._convert(_squeeze(acc, lead))
+        return finish(_squeeze(acc, lead))
     out = _squeeze(torch.cat(parts, dim=2), lead)
     if what == "topk":
-        return x._convert(out), _squeeze(torch.cat(idx, dim=2), lead)
-    return x._convert(out)
+        return torch.return_types.topk((finish(out), _squeeze(torch.cat(idx, dim=2), lead)))
+    return finish(out)
 
 
 # ---- the interception of eager attention inside a forward ----
