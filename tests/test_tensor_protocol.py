@@ -135,3 +135,53 @@ def test_copies_read_as_the_original(gen):
     for twin in (copy.deepcopy(w), pickle.loads(pickle.dumps(w)), copy.copy(w)):
         assert isinstance(twin, sdpa.AttentionWeights)
         torch.testing.assert_close(twin.mean(1), w.mean(1), atol=0, rtol=0)
+
+
+class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements any op made while it was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 2, 5, 9), (2, 3, 7, 6), (1, 1, 1, 1), (1, 4, 1001, 1), (1, 2, 3000, 40), (9, 8, 7, 4)],
+)
+@pytest.mark.parametrize("grad", [False, True])
+def test_print_shows_what_torch_prints_for_the_dense_weights(gen, shape, grad):
+    """repr / str / format print the dense tensor's text (summarised past torch's print
+    threshold, dims of 6 and 7 entries on both sides of torch's edge of 3), with
+    requires_grad=True where the weights carry a gradient."""
+    B, H, L, S = shape
+    q, k, v, _ = make_inputs(gen, B=B, Hq=H, L=L, S=S)
+    q.requires_grad_(grad)
+    w = sdpa.attention(q, k, v).weights
+    want = repr(w.full().detach().requires_grad_(grad))
+    assert repr(w) == str(w) == f"{w}" == want
+
+
+def test_print_follows_torchs_print_options_and_reads_only_what_it_shows(gen):
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=4096, S=4096, E=8)
+    w = sdpa.attention(q, k, v).weights
+    with _Largest() as seen:
+        text = repr(w)
+    assert seen.most < 4096 * 4096 // 64  # rows of the shown entries, never L x S
+    with torch._tensor_str.printoptions(edgeitems=2, precision=2, sci_mode=False):
+        small = repr(w)
+        assert small == repr(w.full(max_bytes=None)) and small != text
+
+
+def test_a_stale_handle_prints_that_it_is_stale(gen):
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=5, S=6)
+    w = sdpa.attention(q, k, v).weights
+    k.mul_(2)
+    assert repr(w).startswith("AttentionWeights(shape=(1, 2, 5, 6), stale: ")

@@ -771,6 +771,40 @@ class AttentionWeights(_Reads, torch.Tensor):
 
     # -- the tensor protocol ---------------------------------------------------------
 
+    def __repr__(self, *, tensor_contents: object = None) -> str:
+        """What torch prints for the dense weights, summarised past torch's print
+        threshold as torch summarises them, computed from the entries shown only (at
+        most 2 x edgeitems per dim): a debugger's view never computes L x S. A stale
+        handle says so instead of raising."""
+        opts = torch._tensor_str.PRINT_OPTS
+        summarise = math.prod(self._inputs.shape) > opts.threshold
+        try:
+            shown = self._printed_entries(opts.edgeitems) if summarise else self.full()
+        except StaleWeightsError as e:
+            return f"AttentionWeights(shape={tuple(self._inputs.shape)}, stale: {e})"
+        shown = shown.detach().requires_grad_(self.requires_grad)
+        if not summarise:  # torch prints every value: few of them
+            return repr(shown)
+        # shown's dims past 2 x edgeitems hold one unprinted entry between the edges, so
+        # torch summarises them as it would the whole tensor's
+        # (sci_mode passed on: set_printoptions resets what it is not given)
+        with torch._tensor_str.printoptions(threshold=0, sci_mode=opts.sci_mode):
+            return repr(shown)
+
+    def _printed_entries(self, edge: int) -> torch.Tensor:
+        """The weights at the entries torch prints of a summarised tensor: along each
+        dim of more than 2 x edge entries, the first and last `edge` and one entry
+        between them that no print shows; (*picked sizes), read in O(picked rows x S)."""
+        picks = [
+            list(range(n)) if n <= 2 * edge else [*range(edge), 0, *range(n - edge, n)]
+            for n in self._inputs.shape
+        ]
+        *lead, q_picks, k_picks = picks
+        keys = torch.tensor(k_picks, device=self.device)
+        with torch.no_grad():
+            parts = [self[(*at, q_picks)][..., keys] for at in itertools.product(*lead)]
+        return torch.stack(parts).reshape([len(p) for p in picks])  # (*picked)
+
     def backward(self, *args: object, **kwargs: object):
         _refuses_grad("backward")()
 
