@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
 
-import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -15,8 +16,7 @@ import torch
 import sdpa
 
 from conftest import make_inputs
-
-matplotlib.use("Agg")
+from oracle import oracle
 
 # habit -> the same on a tensor (applied to the handle and to its dense weights)
 HABITS = {
@@ -114,6 +114,8 @@ def test_what_is_neither_lazy_nor_dense_refuses_by_name(gen, op, pattern):
 
 
 def test_plotting_a_row_block_and_a_head_mean(gen):
+    matplotlib = pytest.importorskip("matplotlib")  # (the plot extra)
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=5, S=6)
@@ -185,3 +187,72 @@ def test_a_stale_handle_prints_that_it_is_stale(gen):
     w = sdpa.attention(q, k, v).weights
     k.mul_(2)
     assert repr(w).startswith("AttentionWeights(shape=(1, 2, 5, 6), stale: ")
+
+
+# Reads that hold O(rows x S) or O(L + S), each with its gradient: name -> read (the same
+# on the handle and on the oracle's dense float64 weights)
+O_N_READS = {
+    "a row": lambda w: w[0, 1, 5],
+    "rows": lambda w: w[1, :, 3:6],
+    "a key column": lambda w: w[..., 7],
+    "sum over queries": lambda w: w.sum(-2),
+    "mean over queries": lambda w: w.mean(dim=-2, keepdim=True),
+    "amax over keys": lambda w: w.amax(-1),
+    "max over keys": lambda w: w.max(-1).values,
+    "topk": lambda w: w.topk(3).values,
+    "diagonal": lambda w: torch.diagonal(w, -1, -2, -1),
+}
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "key_padding", "float"])
+@pytest.mark.parametrize("read", list(O_N_READS))
+def test_a_lazy_reads_value_and_gradient_are_the_oracles(gen, read, mask_kind):
+    """A row, a column and the reductions of the weights with q and k requiring grad:
+    values and q.grad / k.grad equal the float64 oracle's (GQA, L != S, a mask)."""
+    q, k, v, mask = make_inputs(gen, B=2, Hq=4, Hkv=2, L=67, S=131, mask_kind=mask_kind)
+    q.requires_grad_(), k.requires_grad_()
+    got = O_N_READS[read](sdpa.attention(q, k, v, mask).weights)
+    c = torch.randn(got.shape, generator=gen, dtype=torch.float64)  # a loss of every entry
+    (c * got.double()).sum().backward()
+    q64, k64 = (t.detach().double().requires_grad_() for t in (q, k))
+    want = O_N_READS[read](oracle(q64, k64, v.double(), mask)[1])
+    (c * want).sum().backward()
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(q.grad.double(), q64.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k.grad.double(), k64.grad, atol=1e-4, rtol=1e-4)
+
+
+# A fresh process: the weights of (1, 1, 16384, 16384) keys (1 GiB dense in float32), q
+# requiring grad; each O(n) read (a row, a column and a reduction also backpropagated);
+# it prints how far its peak rose over the baseline taken after the call (and per read
+# on stderr, for a failure's message)
+PEAK_CHILD = """
+import sys, torch, sdpa
+from sdpa.measure import peak_rss_kib
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 1, 16384, 8) for _ in range(3))
+q.requires_grad_()
+w = sdpa.attention(q, k, v).weights
+base = peak_rss_kib()
+for name, read, backward in [
+    ("row", lambda: w[0, 0, 5], True), ("column", lambda: w[..., 7], True),
+    ("sum over queries", lambda: w.sum(-2), True), ("rows", lambda: w[0, 0, 100:104], False),
+    ("amax", lambda: w.amax(-1), False), ("topk", lambda: w.topk(4).values, False),
+    ("diagonal", lambda: torch.diagonal(w, -1, -2, -1), False),
+    ("entropy", lambda: w.entropy(), False), ("print", lambda: repr(w), False),
+]:
+    got = read()
+    if backward:
+        got.square().sum().backward()
+    print(f"{name}: {(peak_rss_kib() - base) / 1024:.1f} MiB", file=sys.stderr)
+print((peak_rss_kib() - base) / 1024)
+"""
+
+
+def test_lazy_reads_of_16384_keys_stay_under_64_mib():
+    """Peak memory of the O(n) reads and their backwards at L = S = 16384 in a fresh
+    process: below 64 MiB, where the dense weights take 1 GiB."""
+    done = subprocess.run([sys.executable, "-c", PEAK_CHILD], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    mib = float(done.stdout.strip().splitlines()[-1])
+    assert mib < 64, done.stderr
