@@ -36,7 +36,7 @@ from sdpa.backends import BACKENDS, small
 from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
-from sdpa.inputs import Inputs, check_flag, compute_dtype, empty, no_autocast
+from sdpa.inputs import Inputs, check_flag, empty, no_autocast
 
 
 def chunked_engine() -> contextlib.AbstractContextManager:
@@ -756,13 +756,7 @@ class AttentionWeights(_Reads, torch.Tensor):
     ):
         # O(1), nothing allocated: a tensor of the weights' shape, dtype and device (the
         # recipe set here too: __init__ is a no-op, one call fewer on every attention call)
-        q = inputs.query
-        w = _make_wrapper(
-            cls,
-            (*inputs.lead, q.shape[2], inputs.key.shape[2]),  # (*lead, L, S)
-            dtype=compute_dtype(q.dtype),
-            device=q.device,
-        )
+        w = _make_wrapper(cls, inputs.shape, dtype=inputs.compute_dtype, device=inputs.query.device)
         _Reads.__init__(w, inputs, lse, probs, backend, frozen)
         return w
 
