@@ -103,6 +103,10 @@ def test_detach_is_lazy_carries_no_gradient_and_goes_stale_with_the_original(gen
         (lambda w: w.retain_grad(), r"w.retain_grad: gradients with respect to the weights"),
         (lambda w: w.register_hook(print), r"w.register_hook: .* p = w.full\(\)"),
         (lambda w: w.backward(), r"w.backward"),
+        (lambda w: w.set_(torch.zeros(1, 2, 5, 6)), r"set_.* take p = w.full\(\)"),
+        (lambda w: torch.func.vmap(lambda x: x.sum())(w), r"sum.*torch.func transforms"),
+        (lambda w: torch.func.grad(lambda x: x.sum())(w), r"sum.*torch.func transforms"),
+        (lambda w: w.share_memory_(), r"`share_memory_` writes into AttentionWeights"),
     ],
 )
 def test_what_is_neither_lazy_nor_dense_refuses_by_name(gen, op, pattern):
