@@ -26,6 +26,10 @@ HABITS = {
     "detach": lambda w: w.detach()[0, 1],
     "cpu": lambda w: w.cpu()[..., 2],
     "to-float64": lambda w: w.to(torch.float64),
+    "double": lambda w: w.double(),
+    "bfloat16": lambda w: w.bfloat16(),
+    "half-channels-last": lambda w: w.half(memory_format=torch.channels_last),
+    "contiguous-channels-last": lambda w: w.contiguous(memory_format=torch.channels_last),
     "max": lambda w: w.max(-1).values,
     "amax-all": lambda w: w.amax(),
     "head-mean": lambda w: w.mean(dim=1),
@@ -70,6 +74,18 @@ def test_the_handle_is_a_tensor_of_the_listings_shape_dtype_and_device(gen):
     assert w.requires_grad and w.grad_fn is None  # answers as p_attn; not an autograd node
     assert not w.detach().requires_grad and not w.data.requires_grad
     assert hash(w) == id(w)
+
+
+def test_what_changes_nothing_returns_the_handle_itself(gen):
+    """As torch returns a tensor itself: float() of float32 weights, contiguous(), to()
+    of their own dtype and device, cpu() on the CPU."""
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=5, S=6)
+    w = sdpa.attention(q, k, v).weights
+    for same in (w.float(), w.contiguous(), w.to(torch.float32), w.to("cpu"), w.cpu(),
+                 w.float(memory_format=torch.preserve_format)):  # fmt: skip
+        assert same is w
+    w64 = sdpa.attention(q.double(), k.double(), v.double()).weights
+    assert w64.double() is w64 and type(w64.float()) is torch.Tensor
 
 
 def test_detach_is_lazy_carries_no_gradient_and_goes_stale_with_the_original(gen):

@@ -646,6 +646,13 @@ class _Reads:
             return self
         return _on_dense(torch.Tensor.to, (self, *args), kwargs)
 
+    def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
+        """The handle itself (it answers as a contiguous tensor), as torch returns a
+        contiguous tensor itself; another memory format takes the dense weights."""
+        if memory_format in (torch.contiguous_format, torch.preserve_format):
+            return self
+        return _on_dense(torch.Tensor.contiguous, (self,), {"memory_format": memory_format})
+
     def cpu(self, *args: object, **kwargs: object) -> torch.Tensor:
         if self.device.type == "cpu" and not args and not kwargs:
             return self
@@ -971,6 +978,19 @@ def _refuses_grad(name: str) -> Callable:
     return refuse
 
 
+_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
+          torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}  # fmt: skip
+
+
+def _cast(dtype: torch.dtype) -> Callable:
+    """w.float(), w.double(), ... as w.to(dtype): the handle itself where nothing changes."""
+
+    def cast(w: AttentionWeights, *, memory_format=torch.preserve_format) -> torch.Tensor:
+        return w.to(dtype, memory_format=memory_format)
+
+    return cast
+
+
 T = torch.Tensor
 GRAD_OF_HANDLE = ("retain_grad", "register_hook", "register_post_accumulate_grad_hook", "backward")
 READS: dict[Callable, Callable] = {
@@ -988,7 +1008,9 @@ READS: dict[Callable, Callable] = {
     T.requires_grad.__get__: AttentionWeights.requires_grad.fget,
     T.to: AttentionWeights.to,
     T.cpu: AttentionWeights.cpu,
-    T.__format__: lambda w, spec: object.__format__(w, spec),  # (its repr: lazy)
+    T.contiguous: AttentionWeights.contiguous,
+    **{cast: _cast(dtype) for cast, dtype in _CASTS.items()},
+    T.__format__: lambda w, spec: object.__format__(w, spec),  # (its repr: entries shown)
     **{getattr(T, name): _refuses_grad(name) for name in GRAD_OF_HANDLE},
 }
 """Each torch function a handle answers lazily (or refuses): the rest are METADATA or
