@@ -216,7 +216,7 @@ class _Reads:
         return lse.reshape(self._inputs.shape[:-1])
 
     def __repr__(self) -> str:
-        return f"AttentionWeights(shape={tuple(self._inputs.shape)}, dtype={self.dtype}, lazy)"
+        return f"{type(self).__name__}(shape={tuple(self._inputs.shape)}, dtype={self.dtype}, lazy)"
 
     @property
     def _shape_only(self) -> bool:
