@@ -719,6 +719,17 @@ class _Reads:
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+def _new_handle(
+    cls: type, inputs: Inputs, lse: torch.Tensor | None, probs, backend, frozen: bool
+) -> AttentionWeights:
+    """A handle of class cls, in O(1) with nothing allocated: a tensor of the weights'
+    shape, dtype and device that holds the recipe (AttentionWeights(...) and `handle`
+    make it here; `handle` without the class call, whose cost every attention call pays)."""
+    w = _make_wrapper(cls, inputs.shape, dtype=inputs.compute_dtype, device=inputs.query.device)
+    _Reads.__init__(w, inputs, lse, probs, backend, frozen)
+    return w
+
+
 class AttentionWeights(_Reads, torch.Tensor):
     """Lazy view of the attention weights, shape (*lead, L, S) (query heads for GQA): a
     torch.Tensor (a wrapper subclass with the listing's shape, dtype and device, that
@@ -761,11 +772,7 @@ class AttentionWeights(_Reads, torch.Tensor):
         backend: object = None,
         frozen: bool = False,
     ):
-        # O(1), nothing allocated: a tensor of the weights' shape, dtype and device (the
-        # recipe set here too: __init__ is a no-op, one call fewer on every attention call)
-        w = _make_wrapper(cls, inputs.shape, dtype=inputs.compute_dtype, device=inputs.query.device)
-        _Reads.__init__(w, inputs, lse, probs, backend, frozen)
-        return w
+        return _new_handle(cls, inputs, lse, probs, backend, frozen)
 
     def __init__(self, *args: object, **kwargs: object):
         pass  # (set in __new__)
@@ -860,8 +867,9 @@ def handle(
 ) -> AttentionWeights | GraphWeights:
     """The weights of an attention call: an AttentionWeights tensor, or inside a
     torch.compile region a GraphWeights."""
-    cls = GraphWeights if torch.compiler.is_compiling() else AttentionWeights
-    return cls(inputs, lse, probs, backend, frozen)
+    if torch.compiler.is_compiling():
+        return GraphWeights(inputs, lse, probs, backend, frozen)
+    return _new_handle(AttentionWeights, inputs, lse, probs, backend, frozen)
 
 
 HANDLES = (AttentionWeights, GraphWeights)
