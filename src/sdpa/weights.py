@@ -986,8 +986,9 @@ def _refuses_grad(name: str) -> Callable:
     return refuse
 
 
-_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
-          torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}  # fmt: skip
+CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
+         torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}  # fmt: skip
+"""The tensor methods that cast to one dtype, and that dtype."""
 
 
 def _cast(dtype: torch.dtype) -> Callable:
@@ -1017,7 +1018,7 @@ READS: dict[Callable, Callable] = {
     T.to: AttentionWeights.to,
     T.cpu: AttentionWeights.cpu,
     T.contiguous: AttentionWeights.contiguous,
-    **{cast: _cast(dtype) for cast, dtype in _CASTS.items()},
+    **{cast: _cast(dtype) for cast, dtype in CASTS.items()},
     T.__format__: lambda w, spec: object.__format__(w, spec),  # (its repr: entries shown)
     **{getattr(T, name): _refuses_grad(name) for name in GRAD_OF_HANDLE},
 }

@@ -64,7 +64,7 @@ from sdpa.errors import (
 )
 from sdpa.functional import attention
 from sdpa.inputs import compute_dtype
-from sdpa.weights import AttentionWeights
+from sdpa.weights import CASTS, AttentionWeights
 
 F = torch.nn.functional
 T = torch.Tensor
@@ -890,7 +890,7 @@ def _handle(func, args, kwargs) -> object:
         return _alias(first, first._derive(detached=True), func, args, kwargs)
     if func in SAME:
         return first
-    if func in (T.to, T.type, T.cpu, T.cuda) or func in _CASTS:
+    if func in (T.to, T.type, T.cpu, T.cuda) or func in CASTS:
         return _to(first, func, args, kwargs)
     if func is T.__getitem__ and node.kind == "pattern" and node.spec.sinks is not None:
         return _drop_sink(first, args[1])
@@ -1475,15 +1475,11 @@ def _to(x: Deferred, func, args, kwargs) -> object:
     return x._derive(dtype=to_dtype, device=to_device, to=(*(x._to or ()), (to_device, to_dtype)))
 
 
-_CASTS = {T.float: torch.float32, T.double: torch.float64, T.half: torch.float16,
-          T.bfloat16: torch.bfloat16}  # fmt: skip
-
-
 def _to_args(func, rest, kwargs, x) -> tuple:
     """(device, dtype, ok) of a .to / .type / .float (.double, .half, .bfloat16) / .cpu /
     .cuda call."""
-    if func in _CASTS:  # (memory_format=: eager's, densely)
-        return (None, _CASTS[func], ()) if not kwargs and not rest else (None, None, None)
+    if func in CASTS:  # (memory_format=: eager's, densely)
+        return (None, CASTS[func], ()) if not kwargs and not rest else (None, None, None)
     if func is T.cpu:
         return torch.device("cpu"), None, ()
     if func is T.cuda:
