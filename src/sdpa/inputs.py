@@ -121,7 +121,8 @@ class Inputs(NamedTuple):
     def no_work(self) -> bool:
         """Whether there is no score to compute (0 heads, queries or keys): the output
         is all 0 (empty, or rows that see no key), decided from shapes alone."""
-        return empty(self.query.shape[1], self.query.shape[2], self.key.shape[2])
+        _, H, L, _ = self.query.shape
+        return empty(H, L, self.key.shape[2])
 
 
 def normalize(

@@ -152,7 +152,7 @@ class Plan(NamedTuple):
         return self.call == "one" and not self.whole
 
 
-_UNMASKED, _CAUSAL = Plan("one"), Plan("one", None, True)
+_UNMASKED, _CAUSAL, _EMPTY = Plan("one"), Plan("one", None, True), Plan("empty")
 _REFERENCE = Reference()
 
 
@@ -162,10 +162,10 @@ def plan(inputs: Inputs) -> Plan:
     mask's type and shapes; the rest from the block plan (read on the host on CPU, from
     the masks' host-side spans elsewhere)."""
     mask = inputs.mask
-    if mask is None:
-        return _UNMASKED if not inputs.no_work else Plan("empty")
     if inputs.no_work:  # torch's kernels crash on 0 heads, queries or keys
-        return Plan("empty")
+        return _EMPTY
+    if mask is None:
+        return _UNMASKED
     L, S = inputs.query.shape[2], inputs.key.shape[2]
     if mask is masks.TOP_LEFT:
         return _CAUSAL
