@@ -14,7 +14,7 @@ from sdpa.backends import PRIORITY, Backend, run, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
-from sdpa.weights import AttentionWeights, GraphWeights
+from sdpa.weights import AttentionWeights, GraphWeights, new_handle
 from sdpa.weights import handle as weights_of
 
 
@@ -158,8 +158,9 @@ def attention(
         inputs = fast_normalize(query, key, value, mask, causal, scale, dropout_p)
         if inputs is not None:
             impl = select_fast(inputs)
-            out, lse, p = impl.run(inputs)
-            return _result(AttentionResult, (out, weights_of(inputs, lse, p, impl)))
+            out, lse, p = impl.run(inputs)  # (the lane is never taken while compiling)
+            w = new_handle(AttentionWeights, inputs, lse, p, impl, False)
+            return _result(AttentionResult, (out, w))
     inputs, out, lse, p, impl = _compute(
         query, key, value, mask, causal, scale, dropout_p, backend, lane=False
     )  # (the lane above missed, or is not for these calls: not again)

@@ -66,10 +66,13 @@ def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
 def _versions_now(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
     """_versions outside a traced region (the caller knows it is not tracing)."""
     q, k, mask = inputs.query, inputs.key, inputs.mask
-    try:  # the common case: plain tensors, none made under inference_mode
-        return q._version, k._version, None if mask is None else mask._version
-    except (AttributeError, RuntimeError):  # (a structured mask; with a tensor: TensorAnd)
-        return version_of(q), version_of(k), version_of(inputs.tensor_mask)
+    if mask is None or isinstance(mask, torch.Tensor):
+        try:  # the common case: plain tensors, none made under inference_mode
+            return q._version, k._version, None if mask is None else mask._version
+        except RuntimeError:  # (an inference tensor has no counter)
+            pass
+    # (a structured mask, or one ANDed with a tensor: TensorAnd; inference tensors)
+    return version_of(q), version_of(k), version_of(inputs.tensor_mask)
 
 
 class MaxLogits(NamedTuple):
@@ -729,7 +732,7 @@ _STRIDED = torch.strided
 _SLOTS = ("_inputs", "_lse", "_probs", "_versions", "_backend", "_frozen")
 
 
-def _new_handle(
+def new_handle(
     cls: type, inputs: Inputs, lse: torch.Tensor | None, probs, backend, frozen: bool
 ) -> AttentionWeights:
     """A handle of class cls, in O(1) with nothing allocated: a tensor of the weights'
@@ -739,7 +742,8 @@ def _new_handle(
     q = inputs.query
     # (size, strides, storage_offset, memory_format, dtype, layout, device) by position:
     # torch's argument parser takes them ~0.5 us faster than as keywords
-    w = _make_wrapper(cls, inputs.shape, None, None, None, compute_dtype(q.dtype), _STRIDED, q.device)
+    dtype = compute_dtype(q.dtype)
+    w = _make_wrapper(cls, inputs.shape, None, None, None, dtype, _STRIDED, q.device)
     _Reads.__init__(w, inputs, lse, probs, backend, frozen, _versions_now(inputs))
     return w
 
@@ -786,7 +790,7 @@ class AttentionWeights(_Reads, torch.Tensor):
         backend: object = None,
         frozen: bool = False,
     ):
-        return _new_handle(cls, inputs, lse, probs, backend, frozen)
+        return new_handle(cls, inputs, lse, probs, backend, frozen)
 
     __slots__ = _SLOTS  # (torch.Tensor's __dict__ stays: attributes a user sets work)
 
@@ -885,7 +889,7 @@ def handle(
     torch.compile region a GraphWeights."""
     if torch.compiler.is_compiling():
         return GraphWeights(inputs, lse, probs, backend, frozen)
-    return _new_handle(AttentionWeights, inputs, lse, probs, backend, frozen)
+    return new_handle(AttentionWeights, inputs, lse, probs, backend, frozen)
 
 
 HANDLES = (AttentionWeights, GraphWeights)
