@@ -11,6 +11,7 @@ import torch
 
 import sdpa
 from sdpa import masks, settings
+from sdpa.errors import NotSupportedError
 
 from conftest import randn
 from oracle import oracle
@@ -55,7 +56,9 @@ def test_editing_full_never_breaks_the_backward(gen):
     assert w.served_by.startswith("small")
     full = w.full()
     full.mul_(0.5)
-    w[0, 0].zero_()
+    w[0, 0, 1:].zero_()  # a read: a tensor of the user's
+    with pytest.raises(NotSupportedError, match=r"`zero_` writes into AttentionWeights"):
+        w[0, 0].zero_()  # a view of the weights: refused, naming w.full()
     out.sum().backward()
     q2 = q.detach().clone().requires_grad_()
     oracle(q2, q2, q2, dtype=torch.float32)[0].sum().backward()

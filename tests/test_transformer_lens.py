@@ -250,7 +250,8 @@ def test_a_cache_idiom_answers_as_on_eager(caches, idiom):
     rounded values), a stack's topk, ..."""
     c0, c1 = caches
     want, got = CACHE_IDIOMS[idiom](c0), CACHE_IDIOMS[idiom](c1)
-    assert type(got) is type(want) or isinstance(got, deferred.Deferred)
+    # (a lazy answer: a deferred pattern, or a view of the weights over leading dims)
+    assert type(got) is type(want) or isinstance(got, deferred.Deferred | sdpa.AttentionWeights)
     assert got.shape == want.shape and got.dtype == want.dtype
     # bfloat16: eager's and sdpa's float32 weights differ by rounding (1e-8), which may
     # put a value on the other side of a bfloat16 rounding boundary: one bf16 ulp

@@ -280,8 +280,8 @@ def _statistics_never_allocate_the_weights(gen, mask_kind):
     "index,exc,pattern",
     [
         ((0, 0, 0, 0, 0), IndexError, r"too many indices for weights of shape \(2, 3, 7, 9\)"),
-        ((2,), IndexError, r"index 2 is out of bounds for dim 0 with size 2"),
-        ((slice(None, None, -1),), ValueError, r"slice step must be positive, got -1"),
+        ((2,), IndexError, r"index 2 is out of bounds for dim(ension)? 0 with size 2"),
+        ((slice(None, None, -1),), ValueError, r"step must be (positive|greater than zero)"),
         ((Ellipsis, Ellipsis), IndexError, r"single ellipsis"),
     ],
 )

@@ -115,6 +115,13 @@ class Mask:
     def validate(self, L: int, S: int) -> None:
         """Raise ValueError if this mask cannot describe an L x S attention."""
 
+    def take(self, batch: torch.Tensor) -> Mask | None:
+        """This mask for the batch elements `batch` (a 1-D integer tensor, repeats
+        allowed), in that order: itself where it has no batch dim; None where a subclass
+        with a batch dim does not say how (a view of the weights over fewer batch
+        elements then takes the dense path)."""
+        return self if self.batch is None else None
+
     def materialize(
         self,
         L: int,
@@ -409,6 +416,9 @@ class _Padding(Mask):
         keep = k_pos[None, None, :] < lengths[:, None, None]  # (B, 1, c)
         return keep.expand(self.batch, len(q_pos), len(k_pos))
 
+    def take(self, batch):
+        return _Padding(self.lengths[batch.to(self.lengths.device, non_blocking=True)])
+
     def blocks(self, L, S, bq, bk):
         """Exact: keys [k0, k1) are FULL when k1 <= length, EMPTY when k0 >= length."""
         k0 = torch.arange(0, S, bk)  # (nK,)
@@ -494,6 +504,12 @@ class _Documents(Mask):
         self.validate(L, S)
         return self.q_ids, self.k_ids
 
+    def take(self, batch):
+        if self.batch is None:
+            return self
+        rows = batch.to(self.q_ids.device, non_blocking=True)
+        return _Documents(self.q_ids[rows], self.k_ids[rows], batched=True)
+
     def keep(self, q_pos, k_pos, L, S):
         q_ids, k_ids = self._ids(L, S)
         q = q_ids.to(q_pos.device, non_blocking=True)[:, q_pos]  # (Bm, r)
@@ -560,6 +576,10 @@ class _Combined(Mask):
     def validate(self, L, S):
         self.a.validate(L, S)
         self.b.validate(L, S)
+
+    def take(self, batch):
+        a, b = self.a.take(batch), self.b.take(batch)
+        return None if a is None or b is None else _Combined(a, b, self.op)
 
     def within_top_left(self, L, S):
         a, b = self.a.within_top_left(L, S), self.b.within_top_left(L, S)

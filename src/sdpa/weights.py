@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from sdpa import grads, kernels, masks, rows, settings, tile
+from sdpa import grads, kernels, leads, masks, rows, settings, tile
 from sdpa.backends import BACKENDS, small
 from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
@@ -116,6 +116,9 @@ class _Reads:
         self._versions = _versions(inputs) if versions is None else versions
         self._backend = backend  # the Backend that ran the call (None: made elsewhere)
         self._frozen = frozen  # made under sdpa.frozen() from q / k that required grad
+        # the inputs whose q, k and mask the version counters are of: these, or for a view
+        # over some leading rows (sdpa.leads), the call's, whose rows it may have copied
+        self._source = inputs
 
     @property
     def served_by(self) -> str:
@@ -181,9 +184,9 @@ class _Reads:
         return self._lse
 
     def _check_fresh(self) -> None:
-        if _versions(self._inputs) == self._versions:
+        if _versions(self._source) == self._versions:
             return
-        i = self._inputs
+        i = self._source
         now = (version_of(i.query), version_of(i.key), version_of(i.tensor_mask))
         if now != self._versions:
             changed = [
@@ -729,7 +732,7 @@ class _Reads:
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
-_SLOTS = ("_inputs", "_lse", "_probs", "_versions", "_backend", "_frozen")
+_SLOTS = ("_inputs", "_lse", "_probs", "_versions", "_backend", "_frozen", "_source")
 
 
 def new_handle(
@@ -832,6 +835,55 @@ class AttentionWeights(_Reads, torch.Tensor):
         with torch.no_grad():
             parts = [self[(*at, q_picks)][..., keys] for at in itertools.product(*lead)]
         return torch.stack(parts).reshape([len(p) for p in picks])  # (*picked)
+
+    # -- views over the leading dims ------------------------------------------------
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        """An index of the leading dims alone (w[0], w[:, 2], w[[0, 3]], a boolean mask
+        over them) is a view: the same lazy weights of those (batch, head) rows, made in
+        O(rows x (L + S) x E) with nothing L x S; any other index is a read (_Reads)."""
+        lead = self._inputs.lead
+        part = leads.lead_index(index, len(lead) + 2)
+        if part is not None:
+            view = self._lead_view(leads.lead_rows(tuple(lead), part))
+            if view is not None:
+                return view
+        return _Reads.__getitem__(self, index)
+
+    def _lead_view(self, flat: torch.Tensor) -> AttentionWeights | None:
+        """The view of lead rows `flat` (sdpa.leads), or None where that layout has none.
+        It reads as the handle's own rows (gradients to the call's q, k, mask and sinks)
+        and goes stale with the call's inputs."""
+        self._check_fresh()
+        taken = leads.take(self._inputs, self._lse, self._probs, flat)
+        if taken is None:
+            return None
+        inputs, lse, probs = taken
+        view = new_handle(AttentionWeights, inputs, lse, probs, self._backend, self._frozen)
+        view._source, view._versions = self._source, self._versions
+        return view
+
+    def _reshaped(self, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+        """A view, reshape, flatten, unflatten, squeeze, unsqueeze or expand that keeps
+        the query and key dims last and whole: the lazy view of the rows in their new
+        leading shape (in torch's row-major order); any other the op on the dense
+        weights. The result's shape is torch's own (asked of a meta tensor)."""
+        shape = tuple(self._inputs.shape)
+        try:
+            meta = torch.empty(shape, device="meta")
+            new = tuple(func(meta, *args, **kwargs).shape)
+        except (RuntimeError, TypeError, IndexError):
+            new = None
+        if new is not None and new[-2:] == shape[-2:] and len(new) >= 2:
+            grid = leads.rows_of(shape[:-2])
+            if func in _EXPANDS:  # rows repeat (read once each) along the new dims
+                flat = func(grid[..., None, None], *args, **kwargs)[..., 0, 0]
+            else:
+                flat = grid.reshape(new[:-2])
+            view = self._lead_view(flat)
+            if view is not None:
+                return view
+        return _on_dense(func, (self, *args), kwargs)
 
     def backward(self, *args: object, **kwargs: object):
         _refuses_grad("backward")()
@@ -1020,7 +1072,69 @@ def _cast(dtype: torch.dtype) -> Callable:
     return cast
 
 
+def _meta_result(w: AttentionWeights, func: Callable, args: tuple, kwargs: dict) -> object:
+    """func on a meta tensor of the weights' shape: torch's own checks and result
+    shapes, computing nothing."""
+    return func(torch.empty(tuple(w._inputs.shape), device="meta"), *args, **kwargs)
+
+
+def _along(w: AttentionWeights, dim: int, item: int | slice) -> torch.Tensor:
+    """w indexed by `item` along dim (normalised) alone: a view over a leading dim, a
+    read of rows or keys over the last two."""
+    return w[(slice(None),) * dim + (item,)]
+
+
+def _select(w: AttentionWeights, dim: int, index: int) -> torch.Tensor:
+    """w.select(dim, index) / torch.select: w[..., index, ...] (a view or a read)."""
+    _meta_result(w, torch.Tensor.select, (dim, index), {})  # torch's errors
+    return _along(w, _dim(dim, len(w._inputs.shape)), operator.index(index))
+
+
+def _narrow(w: AttentionWeights, dim: int, start: int, length: int) -> torch.Tensor:
+    """w.narrow(dim, start, length): the slice start:start + length along dim."""
+    _meta_result(w, torch.Tensor.narrow, (dim, start, length), {})  # torch's errors
+    d = _dim(dim, len(w._inputs.shape))
+    first = operator.index(start) % max(w._inputs.shape[d], 1) if start else 0
+    return _along(w, d, slice(first, first + operator.index(length)))
+
+
+def _pieces(func: Callable) -> Callable:
+    """unbind, split and chunk: torch's pieces (sizes asked of a meta tensor), each a
+    view over a leading dim or a read of rows or keys."""
+
+    def pieces(w: AttentionWeights, *args: object, **kwargs: object) -> tuple:
+        parts = _meta_result(w, func, args, kwargs)  # torch's errors and piece sizes
+        if func in _UNBIND:  # unbind(dim=0)
+            d = _dim(args[0] if args else kwargs.get("dim", 0), len(w._inputs.shape))
+            return tuple(_along(w, d, i) for i in range(len(parts)))
+        # split(split_size_or_sections, dim=0), chunk(chunks, dim=0)
+        d = _dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), len(w._inputs.shape))
+        out, start = [], 0
+        for part in parts:
+            n = part.shape[d]
+            out.append(_along(w, d, slice(start, start + n)))
+            start += n
+        return tuple(out)
+
+    return pieces
+
+
+def _reshape_read(func: Callable) -> Callable:
+    def reshape(w: AttentionWeights, *args: object, **kwargs: object) -> torch.Tensor:
+        if any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
+            return _on_dense(func, (w, *args), kwargs)  # (view(dtype): a reinterpretation)
+        return w._reshaped(func, args, kwargs)
+
+    return reshape
+
+
 T = torch.Tensor
+_UNBIND = frozenset({torch.unbind, T.unbind})
+_EXPANDS = frozenset({T.expand})
+_RESHAPES = (
+    T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.unflatten, torch.unflatten,
+    T.squeeze, torch.squeeze, T.unsqueeze, torch.unsqueeze, T.expand,
+)  # fmt: skip
 GRAD_OF_HANDLE = ("retain_grad", "register_hook", "register_post_accumulate_grad_hook", "backward")
 READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.sum, T.sum), AttentionWeights.sum),
@@ -1033,6 +1147,10 @@ READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.matmul, T.matmul, T.__matmul__), _matmul),
     T.__rmatmul__: lambda a, b: _matmul(b, a),
     T.__getitem__: AttentionWeights.__getitem__,
+    **dict.fromkeys((torch.select, T.select), _select),
+    **dict.fromkeys((torch.narrow, T.narrow), _narrow),
+    **{f: _pieces(f) for f in (torch.unbind, T.unbind, torch.split, T.split, torch.chunk, T.chunk)},
+    **{f: _reshape_read(f) for f in _RESHAPES},
     **dict.fromkeys((torch.detach, T.detach, T.data.__get__), AttentionWeights.detach),
     T.requires_grad.__get__: AttentionWeights.requires_grad.fget,
     T.to: AttentionWeights.to,

@@ -1,0 +1,179 @@
+"""Views of the weights over their leading dims: which (batch, head) rows of a call a view
+keeps, and that call's inputs, LSE and kept weights for those rows alone, laid out as a
+call on them would be (so every read of the view is a read of a smaller call).
+
+A view is given as `flat`, an integer tensor of the view's leading shape whose entries
+are rows of the call's flattened (B x Hq) lead: w[0] of (B, Hq, L, S) weights is
+arange(B * Hq).reshape(B, Hq)[0]. Any indexing, select, narrow, unbind, split, chunk or
+reshape of the leading dims is such a tensor, computed by torch's own indexing on the
+small (B, Hq) grid, so its semantics are torch's.
+
+    lead (*batch, H) -> layout (B, H) = (prod(batch), H); a lead of under 2 dims has no
+    heads: (prod(lead), 1) (sdpa.inputs: the weights are (*lead, L, S))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sdpa import masks
+from sdpa.inputs import Inputs
+
+
+def layout(lead: tuple[int, ...]) -> tuple[int, int]:
+    """The (B, Hq) the engines read for a call whose weights lead with `lead`."""
+    if len(lead) >= 2:
+        return math.prod(lead[:-1]), lead[-1]
+    return math.prod(lead), 1
+
+
+def rows_of(lead: tuple[int, ...]) -> torch.Tensor:
+    """The call's lead rows as a (*lead) grid of flat positions (CPU; B x Hq entries)."""
+    return torch.arange(math.prod(lead)).reshape(lead)
+
+
+def _span(t: torch.Tensor) -> slice | None:
+    """t (1-D, CPU, not empty) as a slice: start:stop:step where it steps evenly forward,
+    start:start+1 where every entry is the same (read once, broadcast), else None."""
+    first, n = int(t[0]), len(t)
+    step = int(t[1] - t[0]) if n > 1 else 1
+    if step == 0:
+        return slice(first, first + 1) if bool((t == first).all()) else None
+    if step < 0 or not torch.equal(t, torch.arange(first, first + step * n, step)):
+        return None
+    return slice(first, first + step * (n - 1) + 1, step)
+
+
+def _pick(
+    t: torch.Tensor, b: torch.Tensor, h: torch.Tensor, shape: tuple[int, int], broadcast: bool
+) -> torch.Tensor:
+    """t (B|1, H|1, ...) at the rows (b[i], h[i]), laid out (*shape, ...): a view where
+    the rows are a grid of two ranges (a batch range by a head range, or one batch
+    element's heads as batch), else a copy of the rows. broadcast: a dim that reads one
+    row stays of size 1 (a mask broadcasts), else it is expanded to the shape."""
+    Bn, Hn = shape
+    rest = t.shape[2:]
+    if t.shape[0] == 1:
+        b = torch.zeros_like(b)
+    if t.shape[1] == 1:
+        h = torch.zeros_like(h)
+    part = None
+    if len(b):
+        b2, h2 = b.reshape(Bn, Hn), h.reshape(Bn, Hn)
+        if torch.equal(b2, b2[:, :1].expand(Bn, Hn)) and torch.equal(h2, h2[:1].expand(Bn, Hn)):
+            sb, sh = _span(b2[:, 0]), _span(h2[0])  # batch per row, heads per column
+            if sb is not None and sh is not None:
+                part = t[sb][:, sh]
+        elif Hn == 1 and bool((b2 == b2[0, 0]).all()):  # one element's heads as batch
+            sh = _span(h2[:, 0])
+            if sh is not None:
+                part = t[int(b2[0, 0]), sh].unsqueeze(1)
+    if part is None:
+        return t[b, h].reshape(Bn, Hn, *rest)  # gathered: a copy of these rows
+    return part if broadcast else part.expand(Bn, Hn, *rest)
+
+
+def _four_d(t: torch.Tensor) -> torch.Tensor:
+    """A mask broadcasting to (B, Hq, L, S) as a 4-D view."""
+    return t[(None,) * (4 - t.ndim)] if t.ndim < 4 else t
+
+
+def take(
+    inputs: Inputs,
+    lse: torch.Tensor | None,
+    probs: torch.Tensor | None,
+    flat: torch.Tensor,
+) -> tuple[Inputs, torch.Tensor | None, torch.Tensor | None] | None:
+    """(inputs, lse, kept weights) of the call for the lead rows `flat` (a view's
+    (*new lead) grid of flat row positions), or None where the view is not one this
+    layout holds: its rows under one new batch element come from several of the call's
+    batch elements (a permutation of batch and head dims), or a structured mask with a
+    batch dim cannot say how to select (masks.Mask.take).
+
+    q, k, v, the mask, the sinks, the LSE and kept weights are views where the rows are
+    ranges, else copies of the chosen rows (O(rows x (L + S) x E), never L x S beyond
+    a mask's own rows): a view then holds its own tensors, and the caller keeps the
+    staleness check on the call's."""
+    Hq = inputs.query.shape[1]
+    group = inputs.group
+    new_lead = tuple(flat.shape)
+    Bn, Hn = layout(new_lead)
+    f = flat.reshape(-1)
+    b, h = f // Hq, f % Hq  # (n,) each
+    b2 = b.reshape(Bn, Hn)
+    if Hn and not torch.equal(b2, b2[:, :1].expand(Bn, Hn)):
+        return None  # a new batch element over several of the call's: no such layout
+    batch_rows = b2[:, 0] if Hn else b2.new_zeros(Bn)  # (Bn,) the call's batch per row
+    tensor, structured = masks.split(inputs.mask)
+    if structured is not None:
+        structured = structured.take(batch_rows)
+        if structured is None:
+            return None
+    shape = (Bn, Hn)
+    q = _pick(inputs.query, b, h, shape, False)  # (Bn, Hn, L, E)
+    k = _pick(inputs.key, b, h // group, shape, False)  # (Bn, Hn, S, E): a key head per head
+    v = _pick(inputs.value, b, h // group, shape, False)
+    if tensor is not None:
+        tensor = _pick(_four_d(tensor), b, h, shape, True)  # (Bn|1, Hn|1, L|1, S)
+    sinks = None if inputs.sinks is None else _pick(inputs.sinks, b, h, shape, False)
+    lse = None if lse is None else _pick(lse, b, h, shape, False)
+    probs = None if probs is None else _pick(probs, b, h, shape, False)
+    taken = inputs._replace(
+        query=q, key=k, value=v, mask=masks.join(tensor, structured), lead=new_lead, sinks=sinks
+    )
+    return taken, lse, probs
+
+
+def _dims_taken(item: object) -> int | None:
+    """How many dims an index entry addresses: a boolean mask its own ndim, an int, a
+    slice, a list or an integer tensor or array one; None for what a view does not take
+    here (None / newaxis, a list of bools)."""
+    if item is None:
+        return None
+    if isinstance(item, list | tuple) and any(isinstance(x, bool) for x in item):
+        return None
+    dtype = getattr(item, "dtype", None)
+    if dtype is not None and str(dtype) in ("bool", "torch.bool"):
+        return item.ndim
+    return 1
+
+
+def _whole(item: object) -> bool:
+    return isinstance(item, slice) and item == slice(None)
+
+
+def lead_index(index: object, nd: int) -> tuple | None:
+    """The part of `index` (of weights with nd dims) that addresses the leading dims,
+    where it leaves the query and key dims whole (w[0], w[:, 2], w[mask_over_lead],
+    w[[0, 1]], w[0, ..., :, :]), else None (the index reads rows or keys)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    lead = nd - 2
+    if sum(item is Ellipsis for item in items) > 1:
+        return None
+    if Ellipsis in [i if i is Ellipsis else None for i in items]:
+        at = next(n for n, item in enumerate(items) if item is Ellipsis)
+        before, after = items[:at], items[at + 1 :]
+        if len(after) > 2 or not all(_whole(i) for i in after):
+            return None
+        items = before
+    taken, out = 0, []
+    for n, item in enumerate(items):
+        dims = _dims_taken(item)
+        if dims is None:
+            return None
+        if taken + dims > lead:  # the rest address the query and key dims: whole only
+            rest = items[n:]
+            return tuple(out) if len(rest) <= 2 and all(_whole(i) for i in rest) else None
+        taken += dims
+        out.append(item)
+    return tuple(out)
+
+
+def lead_rows(lead: tuple[int, ...], index: tuple) -> torch.Tensor:
+    """The view's (*new lead) grid of flat rows: torch's indexing of the lead grid (its
+    errors, e.g. an index out of range, are torch's). Tensor indices are read on the
+    CPU (a boolean mask's selection has a size only its values give)."""
+    index = tuple(i.cpu() if isinstance(i, torch.Tensor) else i for i in index)
+    return rows_of(lead)[index]

@@ -1,0 +1,140 @@
+"""Views over the weights' leading dims (sdpa.leads): w[1], w[:, 2], select, narrow,
+unbind, split, chunk, flatten, unsqueeze... are lazy handles of those (batch, head) rows.
+Each view's weights, reads and gradients equal the same op on the dense weights (the
+float64 oracle) on every engine, every mask kind (tensor masks with and without head and
+batch dims, padding and documents with a batch dim, causal, sinks), grouped heads whose
+groups a view cuts, and both layouts a view takes (its rows as ranges: views of q and k;
+else gathered copies); a view goes stale with the call's inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sdpa
+from sdpa import masks
+from sdpa.errors import StaleWeightsError
+
+from conftest import MASK_KINDS, make_inputs
+from engines import ENGINES, run_or_skip
+from oracle import oracle
+
+# view -> the same op on a tensor; B = 3, Hq = 4 (grouped: Hkv = 2)
+VIEWS = {
+    "batch": lambda w: w[1],
+    "head": lambda w: w[:, 3],
+    "one": lambda w: w[2, 1],
+    "heads-cut-a-group": lambda w: w[:, 1:3],
+    "heads-stepped": lambda w: w[:, ::3],
+    "batch-list": lambda w: w[[2, 0, 2]],
+    "bool-over-lead": lambda w: w[torch.tensor([[True, False, True, True]] * 3)],
+    "select": lambda w: w.select(0, -1),
+    "narrow": lambda w: w.narrow(1, 2, 2),
+    "unbind": lambda w: w.unbind(1)[2],
+    "split": lambda w: torch.split(w, [1, 2], dim=0)[1],
+    "chunk": lambda w: w.chunk(2, 1)[1],
+    "flatten": lambda w: w.flatten(0, 1)[6:9],
+    "unsqueeze-squeeze": lambda w: w.unsqueeze(1)[:, 0].squeeze(0),
+    "reshape": lambda w: w.reshape(3, 2, 2, *w.shape[-2:])[1],
+    "view-of-a-view": lambda w: w[1:][:, 2][1],
+}
+
+
+def _reads(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A row, a column, the sum over queries and the top 2 of a view (or dense tensor)."""
+    return {
+        "row": x[..., 4, :],
+        "column": x[..., 3],
+        "received": x.sum(-2),
+        "top": x.topk(2).values,
+    }
+
+
+def _masked(gen, kind: str, B: int, Hq: int, L: int, S: int):
+    """The mask of `kind`: conftest's tensor kinds, or a structured one with a batch dim."""
+    if kind == "padding":
+        return masks.padding([S, 3, 1][:B])
+    if kind == "documents":
+        ids = torch.stack([torch.arange(S) // 3, torch.arange(S) // 4, torch.zeros(S)]).long()
+        return masks.documents(ids[:B, :L], ids[:B, :S])
+    if kind == "sinks":
+        return masks.sinks(torch.randn(Hq, 1, 1, generator=gen))  # one logit per head
+    if kind == "causal":
+        return None
+    return make_inputs(gen, B=B, Hq=Hq, L=L, S=S, mask_kind=kind)[3]
+
+
+KINDS = [*MASK_KINDS, "padding", "documents", "sinks", "causal"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_views_weights_reads_and_gradients_are_the_dense_ops(gen, engine, kind):
+    B, Hq, Hkv, L, S = 3, 4, 2, 9, 9 if kind == "causal" else 11
+    q, k, v, _ = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S)
+    mask = _masked(gen, kind, B, Hq, L, S)
+    q.requires_grad_()
+    k.requires_grad_()
+    causal = kind == "causal"
+    _, w, reads = run_or_skip(engine, q, k, v, mask, causal=causal)
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    sinks = mask.sinks[..., 0] if kind == "sinks" else None  # (Hq, 1): the oracle's (.., L)
+    plain = None if kind == "sinks" else mask
+    if isinstance(plain, masks.Mask):  # (the oracle takes the dense keep-mask)
+        plain = plain.materialize(L, S).reshape(-1, 1, L, S)
+    dense = oracle(q64, k64, v.double(), plain, causal=causal, sinks=sinks)[1]
+    for name, view in VIEWS.items():
+        with reads:
+            got = view(w)
+            assert isinstance(got, sdpa.AttentionWeights), name
+            torch.testing.assert_close(got.full().double(), view(dense), atol=2e-6, rtol=0)
+            mine = _reads(got)
+        want = _reads(view(dense))
+        c = {n: torch.randn(t.shape, generator=gen, dtype=torch.float64) for n, t in want.items()}
+        loss = sum((c[n] * mine[n].double()).sum() for n in mine)
+        g_q, g_k = torch.autograd.grad(loss, (q, k))
+        w_q, w_k = torch.autograd.grad(
+            sum((c[n] * want[n]).sum() for n in want), (q64, k64), retain_graph=True
+        )  # (the oracle's graph serves every view)
+        for n in want:
+            torch.testing.assert_close(mine[n].double(), want[n], atol=2e-6, rtol=0, msg=name)
+        torch.testing.assert_close(g_q.double(), w_q, atol=2e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(g_k.double(), w_k, atol=2e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("view", ["batch", "heads-cut-a-group", "batch-list", "flatten"])
+def test_a_view_goes_stale_with_the_calls_inputs(gen, view):
+    """A view of ranges holds views of q and k, a gathered one copies: both refuse once
+    the call's q or k changed in place."""
+    q, k, v, _ = make_inputs(gen, B=3, Hq=4, Hkv=2, L=9, S=11)
+    w = sdpa.attention(q, k, v).weights
+    x = VIEWS[view](w)
+    x[..., 0, :]  # fresh: reads
+    k.add_(1.0)
+    with pytest.raises(StaleWeightsError, match="key changed in place"):
+        x[..., 0, :]
+    with pytest.raises(StaleWeightsError):
+        VIEWS[view](w)
+
+
+def test_a_view_makes_nothing_l_by_s_and_views_q_where_its_rows_are_ranges(gen):
+    q, k, v, mask = make_inputs(gen, B=3, Hq=4, L=9, S=11, mask_kind="float")
+    w = sdpa.attention(q, k, v, mask).weights
+    x = w[1, 1:3]  # ranges: q, k and the mask are views of the call's
+    i = x._inputs
+    assert i.query.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+    assert i.key.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert i.mask.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr()
+    assert x.shape == (2, 9, 11) and i.query.shape == (2, 1, 9, 16)  # (heads as batch)
+    y = w[[2, 0]]  # a list: rows gathered (copies of q and k rows, O(rows x E))
+    assert y._inputs.query.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+
+
+def test_a_permutation_of_batch_and_heads_takes_the_dense_weights(gen):
+    """w.transpose(0, 1) mixes batch elements under one new batch element: no view of the
+    layout holds it, so the dense weights answer, as torch would."""
+    q, k, v, _ = make_inputs(gen, B=3, Hq=4, L=9, S=11)
+    w = sdpa.attention(q, k, v).weights
+    t = w.transpose(0, 1)
+    assert type(t) is torch.Tensor
+    torch.testing.assert_close(t, w.full().transpose(0, 1))
