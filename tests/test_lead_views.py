@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import sdpa
+from engines import ENGINES, run_or_skip
 from sdpa import masks
 from sdpa.errors import StaleWeightsError
 
 from conftest import MASK_KINDS, make_inputs
-from engines import ENGINES, run_or_skip
 from oracle import oracle
 
 # view -> the same op on a tensor; B = 3, Hq = 4 (grouped: Hkv = 2)
