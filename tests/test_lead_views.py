@@ -138,3 +138,69 @@ def test_a_permutation_of_batch_and_heads_takes_the_dense_weights(gen):
     t = w.transpose(0, 1)
     assert type(t) is torch.Tensor
     torch.testing.assert_close(t, w.full().transpose(0, 1))
+
+
+# -- torch.stack / torch.cat of handles (the layers of a capture as one tensor) ----------
+
+JOINS = {
+    "stack": lambda ws: torch.stack(ws),
+    "stack-dim-1": lambda ws: torch.stack(ws, dim=1),
+    "cat": lambda ws: torch.cat(ws),
+    "stack-then-view": lambda ws: torch.stack(ws)[1:, 0],
+}
+
+
+def _layers(gen, kind: str, n: int = 3, requires_grad: bool = True):
+    """n calls of one kind (B 2, Hq 4, Hkv 2, L 6, S 6 or 7), each its own q, k, v."""
+    S = 6 if kind == "causal" else 7
+    shared = make_inputs(gen, B=2, Hq=4, L=6, S=S, mask_kind="float")[3]
+    calls = []
+    for _ in range(n):
+        q, k, v, mask = make_inputs(gen, B=2, Hq=4, Hkv=2, L=6, S=S, mask_kind="float")
+        own_2d = make_inputs(gen, B=2, Hq=4, L=6, S=S, mask_kind="2d")[3]  # (L, S) its own
+        q.requires_grad_(requires_grad)
+        mask = {"none": None, "causal": None, "shared": shared, "own-2d": own_2d}.get(kind, mask)
+        if kind == "sinks":
+            mask = masks.sinks(torch.randn(4, 1, 1, generator=gen))
+        calls.append((q, k, v, mask))
+    ws = [sdpa.attention(q, k, v, m, causal=kind == "causal").weights for q, k, v, m in calls]
+    return calls, ws
+
+
+@pytest.mark.parametrize("join", list(JOINS))
+@pytest.mark.parametrize("kind", ["none", "causal", "float", "shared", "own-2d", "sinks"])
+def test_stacked_handles_are_a_lazy_view_equal_to_the_dense_stack(gen, join, kind):
+    calls, ws = _layers(gen, kind)
+    got = JOINS[join](ws)
+    assert isinstance(got, sdpa.AttentionWeights)
+    dense = [w.full() for w in ws]
+    torch.testing.assert_close(got.full(), JOINS[join](dense))
+    mine, want = got[..., 2, :].sum(), JOINS[join](dense)[..., 2, :].sum()
+    queries = [c[0] for c in calls]
+    got_grads, want_grads = torch.autograd.grad(mine, queries), torch.autograd.grad(want, queries)
+    for g, h in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, h, atol=1e-6, rtol=1e-5)
+
+
+def test_a_stack_goes_stale_with_any_of_its_handles(gen):
+    calls, ws = _layers(gen, "float", requires_grad=False)
+    s = torch.stack(ws)
+    s[0, 0, 0, 1]
+    calls[2][1].mul_(2.0)  # the third call's k
+    with pytest.raises(StaleWeightsError, match="key changed in place"):
+        s[0, 0, 0, 1]
+
+
+def test_handles_of_other_kinds_stack_densely(gen):
+    """Calls with other scales, or over the query or key dims: the dense weights, as
+    torch stacks them."""
+    q, k, v, _ = make_inputs(gen, B=2, Hq=4, L=6, S=7)
+    a = sdpa.attention(q, k, v).weights
+    b = sdpa.attention(q, k, v, scale=0.3).weights
+    for got, want in [
+        (torch.stack([a, b]), torch.stack([a.full(), b.full()])),
+        (torch.cat([a, a], dim=-1), torch.cat([a.full(), a.full()], dim=-1)),
+        (torch.stack([a, a], dim=3), torch.stack([a.full(), a.full()], dim=3)),
+    ]:
+        assert type(got) is torch.Tensor
+        torch.testing.assert_close(got, want)

@@ -282,6 +282,7 @@ for name, read, backward in [
     ("unbind, split, narrow",
      lambda: torch.split(w.unbind(0)[0], 1)[0].narrow(0, 0, 1)[0, :, 9], True),
     ("chunk then a head sum", lambda: w.chunk(1, 1)[0].reshape(16384, 16384).sum(-2), False),
+    ("a stack of layers, a row", lambda: torch.stack([w, w.detach()])[1, 0, 0, 9], False),
 ]:
     got = read()
     if backward:

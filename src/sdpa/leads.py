@@ -177,3 +177,81 @@ def lead_rows(lead: tuple[int, ...], index: tuple) -> torch.Tensor:
     CPU (a boolean mask's selection has a size only its values give)."""
     index = tuple(i.cpu() if isinstance(i, torch.Tensor) else i for i in index)
     return rows_of(lead)[index]
+
+
+def _same(values: list) -> bool:
+    return all(v == values[0] for v in values[1:])
+
+
+def _joined_mask(parts: list[Inputs]) -> object:
+    """The parts' masks for their rows one after another along the batch dim, or
+    _NO_JOIN: the same mask object (no batch dim of its own) is kept; tensor masks are
+    concatenated (each expanded to its part's batch: a copy of the masks' own rows);
+    structured masks must be one object without a batch dim."""
+    split = [masks.split(p.mask) for p in parts]
+    tensors, structured = [t for t, _ in split], [s for _, s in split]
+    if not all(s is structured[0] for s in structured) or (
+        structured[0] is not None and structured[0].batch is not None
+    ):
+        return _NO_JOIN
+    if all(t is None for t in tensors):
+        return masks.join(None, structured[0])
+    if any(t is None for t in tensors) or not _same([t.dtype for t in tensors]):
+        return _NO_JOIN
+    four = [_four_d(t) for t in tensors]
+    if all(t is tensors[0] for t in tensors) and four[0].shape[0] == 1:
+        return masks.join(tensors[0], structured[0])  # one mask, broadcast over batch
+    heads = 1 if all(t.shape[1] == 1 for t in four) else parts[0].query.shape[1]
+    rows = 1 if all(t.shape[2] == 1 for t in four) else parts[0].query.shape[2]
+    S = parts[0].key.shape[2]
+    cat = torch.cat(
+        [t.expand(p.query.shape[0], heads, rows, S) for t, p in zip(four, parts, strict=True)]
+    )
+    return masks.join(cat, structured[0])
+
+
+_NO_JOIN = object()
+
+
+def join(
+    parts: list[Inputs], lses: list[torch.Tensor], probs: list[torch.Tensor | None]
+) -> tuple[Inputs, torch.Tensor, torch.Tensor | None] | None:
+    """One call's inputs for the rows of several calls one after another along the batch
+    dim (the layers of a capture stacked), their LSEs and kept weights likewise; None
+    where they are not one kind of call: the same heads, key heads, sizes, dtype,
+    device, scale and softcap, sinks on all or none, masks that join (_joined_mask).
+    q, k and v are concatenated (copies, O(rows x (L + S) x E))."""
+    first = parts[0]
+    shapes = [(p.query.shape[1:], p.key.shape[1:], p.value.shape[1:]) for p in parts]
+    kinds = [(p.query.dtype, p.query.device, p.scale, p.softcap, p.sinks is None) for p in parts]
+    heads = [len(p.lead) >= 2 for p in parts]
+    if not (_same(shapes) and _same(kinds) and _same(heads)):
+        return None
+    mask = _joined_mask(parts)
+    if mask is _NO_JOIN:
+        return None
+    B = sum(p.query.shape[0] for p in parts)
+    sinks = None
+    if first.sinks is not None:
+        Hq, rows = first.query.shape[1], first.sinks.shape[-1]
+        sinks = torch.cat([p.sinks.expand(p.query.shape[0], Hq, rows) for p in parts])
+    joined = first._replace(
+        query=torch.cat([p.query for p in parts]),
+        key=torch.cat([p.key for p in parts]),
+        value=torch.cat([p.value for p in parts]),
+        mask=mask,
+        lead=(B, first.query.shape[1]) if heads[0] else (B,),
+        sinks=sinks,
+    )
+    kept = None if any(p is None for p in probs) else torch.cat(probs)
+    return joined, torch.cat(lses), kept
+
+
+def part_rows(parts: list[Inputs]) -> list[torch.Tensor]:
+    """Each part's (*lead) grid of rows in the joined call (part after part)."""
+    out, start = [], 0
+    for p in parts:
+        grid = rows_of(tuple(p.lead))
+        out.append(grid + start)
+        start += grid.numel()
+    return out

@@ -184,6 +184,10 @@ class _Reads:
         return self._lse
 
     def _check_fresh(self) -> None:
+        if self._source.__class__ is not Inputs:  # handles joined (torch.stack / cat)
+            for part in self._source:
+                part._check_fresh()
+            return
         if _versions(self._source) == self._versions:
             return
         i = self._source
@@ -863,6 +867,43 @@ class AttentionWeights(_Reads, torch.Tensor):
         view._source, view._versions = self._source, self._versions
         return view
 
+    @staticmethod
+    def _joined(func: Callable, tensors: object, dim: object) -> torch.Tensor | None:
+        """torch.stack / torch.cat of handles over a leading dim (the layers of a capture
+        as one (layers, B, H, L, S) tensor): the lazy view of their rows, one call after
+        another, or None where the handles are not one kind of call (sizes, dtype,
+        scale, masks: sdpa.leads.join) or the result's rows mix batch elements."""
+        parts = list(tensors)
+        if not parts or not all(type(t) is AttentionWeights for t in parts):
+            return None
+        for t in parts:
+            t._check_fresh()
+        nd = len(parts[0]._inputs.shape) + (func is torch.stack)
+        d = _dim(dim, nd)
+        if d is None or d >= nd - 2:
+            return None  # (over the query or key dims: the dense weights)
+        inputs = [t._inputs for t in parts]
+        if func is torch.cat and not all(
+            tuple(i.shape[:d]) + tuple(i.shape[d + 1 :])
+            == tuple(inputs[0].shape[:d]) + tuple(inputs[0].shape[d + 1 :])
+            for i in inputs
+        ):
+            return None
+        frozen = [t._frozen for t in parts]
+        joined = leads.join(inputs, [t._log_sum_exp() for t in parts], [t._probs for t in parts])
+        if joined is None or not all(f == frozen[0] for f in frozen):
+            return None
+        grids = leads.part_rows(inputs)
+        try:
+            flat = func(grids, d)  # torch's own stack / cat of the rows (and its errors)
+        except (RuntimeError, IndexError):
+            return None
+        inputs_j, lse, probs = joined
+        backend = parts[0]._backend if all(t._backend is parts[0]._backend for t in parts) else None
+        base = new_handle(AttentionWeights, inputs_j, lse, probs, backend, frozen[0])
+        base._source = tuple(parts)  # (stale with any of them)
+        return base._lead_view(flat)
+
     def _reshaped(self, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         """A view, reshape, flatten, unflatten, squeeze, unsqueeze or expand that keeps
         the query and key dims last and whole: the lazy view of the rows in their new
@@ -1128,6 +1169,20 @@ def _reshape_read(func: Callable) -> Callable:
     return reshape
 
 
+def _join_read(func: Callable) -> Callable:
+    """torch.stack / torch.cat with handles: lazy over a leading dim (_joined), else the
+    dense weights (out= refuses or writes as _on_dense says)."""
+
+    def join(tensors: object, dim: int = 0, *, out: object = None) -> torch.Tensor:
+        if out is None and isinstance(tensors, list | tuple):
+            view = AttentionWeights._joined(func, tensors, dim)
+            if view is not None:
+                return view
+        return _on_dense(func, (tensors, dim), {} if out is None else {"out": out})
+
+    return join
+
+
 T = torch.Tensor
 _UNBIND = frozenset({torch.unbind, T.unbind})
 _EXPANDS = frozenset({T.expand})
@@ -1151,6 +1206,8 @@ READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.narrow, T.narrow), _narrow),
     **{f: _pieces(f) for f in (torch.unbind, T.unbind, torch.split, T.split, torch.chunk, T.chunk)},
     **{f: _reshape_read(f) for f in _RESHAPES},
+    torch.stack: _join_read(torch.stack),
+    torch.cat: _join_read(torch.cat),
     **dict.fromkeys((torch.detach, T.detach, T.data.__get__), AttentionWeights.detach),
     T.requires_grad.__get__: AttentionWeights.requires_grad.fget,
     T.to: AttentionWeights.to,
