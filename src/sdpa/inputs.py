@@ -121,8 +121,12 @@ class Inputs(NamedTuple):
     def no_work(self) -> bool:
         """Whether there is no score to compute (0 heads, queries or keys): the output
         is all 0 (empty, or rows that see no key), decided from shapes alone."""
-        _, H, L, _ = self.query.shape
-        return empty(H, L, self.key.shape[2])
+        q, k = self.query, self.key
+        nq, nk = q.numel(), k.numel()
+        if nq.__class__ is int and nk.__class__ is int and nq and nk:
+            return False  # (every size of q and k > 0: the common case, without a shape)
+        _, H, L, _ = q.shape
+        return empty(H, L, k.shape[2])
 
 
 def normalize(

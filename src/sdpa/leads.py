@@ -14,6 +14,7 @@ small (B, Hq) grid, so its semantics are torch's.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -34,20 +35,27 @@ def rows_of(lead: tuple[int, ...]) -> torch.Tensor:
     return torch.arange(math.prod(lead)).reshape(lead)
 
 
-def _span(t: torch.Tensor) -> slice | None:
-    """t (1-D, CPU, not empty) as a slice: start:stop:step where it steps evenly forward,
-    start:start+1 where every entry is the same (read once, broadcast), else None."""
-    first, n = int(t[0]), len(t)
-    step = int(t[1] - t[0]) if n > 1 else 1
-    if step == 0:
-        return slice(first, first + 1) if bool((t == first).all()) else None
-    if step < 0 or not torch.equal(t, torch.arange(first, first + step * n, step)):
+def _span(values: list[int]) -> slice | None:
+    """values (not empty) as a slice: start:stop:step where they step evenly forward,
+    start:start+1 where every one is the same (read once, broadcast), else None."""
+    first, n = values[0], len(values)
+    step = values[1] - first if n > 1 else 1
+    if step < 0 or values != list(range(first, first + step * n, step) if step else [first] * n):
         return None
-    return slice(first, first + step * (n - 1) + 1, step)
+    return slice(first, first + 1) if step == 0 else slice(first, first + step * (n - 1) + 1, step)
+
+
+def _sliced(t: torch.Tensor, dim: int, s: slice) -> torch.Tensor:
+    """t[..., s, ...] along dim, as a view (narrow where the step is 1: a tenth of the
+    cost of Python indexing; t itself where s takes every row)."""
+    n = t.shape[dim]
+    if s.step == 1 or s.step is None:
+        return t if (s.start, s.stop) == (0, n) else t.narrow(dim, s.start, s.stop - s.start)
+    return t[(slice(None),) * dim + (s,)]
 
 
 def _pick(
-    t: torch.Tensor, b: torch.Tensor, h: torch.Tensor, shape: tuple[int, int], broadcast: bool
+    t: torch.Tensor, b: list[int], h: list[int], shape: tuple[int, int], broadcast: bool
 ) -> torch.Tensor:
     """t (B|1, H|1, ...) at the rows (b[i], h[i]), laid out (*shape, ...): a view where
     the rows are a grid of two ranges (a batch range by a head range, or one batch
@@ -55,24 +63,29 @@ def _pick(
     row stays of size 1 (a mask broadcasts), else it is expanded to the shape."""
     Bn, Hn = shape
     rest = t.shape[2:]
+    n = len(b)
     if t.shape[0] == 1:
-        b = torch.zeros_like(b)
+        b = [0] * n
     if t.shape[1] == 1:
-        h = torch.zeros_like(h)
+        h = [0] * n
     part = None
-    if len(b):
-        b2, h2 = b.reshape(Bn, Hn), h.reshape(Bn, Hn)
-        if torch.equal(b2, b2[:, :1].expand(Bn, Hn)) and torch.equal(h2, h2[:1].expand(Bn, Hn)):
-            sb, sh = _span(b2[:, 0]), _span(h2[0])  # batch per row, heads per column
+    if n:
+        rows_b, cols_h = b[::Hn], h[:Hn]  # the batch of each row, the heads of the first
+        if b == [x for x in rows_b for _ in range(Hn)] and h == cols_h * Bn:  # a grid
+            sb, sh = _span(rows_b), _span(cols_h)
             if sb is not None and sh is not None:
-                part = t[sb][:, sh]
-        elif Hn == 1 and bool((b2 == b2[0, 0]).all()):  # one element's heads as batch
-            sh = _span(h2[:, 0])
+                part = _sliced(_sliced(t, 0, sb), 1, sh)
+        elif Hn == 1 and b == [b[0]] * n:  # one element's heads as batch
+            sh = _span(h)
             if sh is not None:
-                part = t[int(b2[0, 0]), sh].unsqueeze(1)
-    if part is None:
-        return t[b, h].reshape(Bn, Hn, *rest)  # gathered: a copy of these rows
-    return part if broadcast else part.expand(Bn, Hn, *rest)
+                part = _sliced(t.select(0, b[0]), 0, sh).unsqueeze(1)
+    if part is None:  # gathered: a copy of these rows
+        index = (torch.tensor(b, dtype=torch.long, device=t.device),
+                 torch.tensor(h, dtype=torch.long, device=t.device))  # fmt: skip
+        return t[index].reshape(Bn, Hn, *rest)
+    if broadcast or (part.shape[0] == Bn and part.shape[1] == Hn):
+        return part
+    return part.expand(Bn, Hn, *rest)
 
 
 def _four_d(t: torch.Tensor) -> torch.Tensor:
@@ -84,10 +97,11 @@ def take(
     inputs: Inputs,
     lse: torch.Tensor | None,
     probs: torch.Tensor | None,
-    flat: torch.Tensor,
+    new_lead: tuple[int, ...],
+    rows: list[int],
 ) -> tuple[Inputs, torch.Tensor | None, torch.Tensor | None] | None:
-    """(inputs, lse, kept weights) of the call for the lead rows `flat` (a view's
-    (*new lead) grid of flat row positions), or None where the view is not one this
+    """(inputs, lse, kept weights) of the call for the lead rows `rows` (a view's
+    (*new_lead) grid of flat row positions, flattened), or None where the view is not one this
     layout holds: its rows under one new batch element come from several of the call's
     batch elements (a permutation of batch and head dims), or a structured mask with a
     batch dim cannot say how to select (masks.Mask.take).
@@ -98,23 +112,21 @@ def take(
     staleness check on the call's."""
     Hq = inputs.query.shape[1]
     group = inputs.group
-    new_lead = tuple(flat.shape)
     Bn, Hn = layout(new_lead)
-    f = flat.reshape(-1)
-    b, h = f // Hq, f % Hq  # (n,) each
-    b2 = b.reshape(Bn, Hn)
-    if Hn and not torch.equal(b2, b2[:, :1].expand(Bn, Hn)):
+    b, h = [f // Hq for f in rows], [f % Hq for f in rows]  # (n,) each
+    batch_rows = b[::Hn] if Hn else [0] * Bn  # the call's batch element of each new one
+    if Hn and b != [x for x in batch_rows for _ in range(Hn)]:
         return None  # a new batch element over several of the call's: no such layout
-    batch_rows = b2[:, 0] if Hn else b2.new_zeros(Bn)  # (Bn,) the call's batch per row
     tensor, structured = masks.split(inputs.mask)
     if structured is not None:
-        structured = structured.take(batch_rows)
+        structured = structured.take(torch.tensor(batch_rows, dtype=torch.long))
         if structured is None:
             return None
     shape = (Bn, Hn)
     q = _pick(inputs.query, b, h, shape, False)  # (Bn, Hn, L, E)
-    k = _pick(inputs.key, b, h // group, shape, False)  # (Bn, Hn, S, E): a key head per head
-    v = _pick(inputs.value, b, h // group, shape, False)
+    kv_heads = [x // group for x in h]
+    k = _pick(inputs.key, b, kv_heads, shape, False)  # (Bn, Hn, S, E): a key head per head
+    v = _pick(inputs.value, b, kv_heads, shape, False)
     if tensor is not None:
         tensor = _pick(_four_d(tensor), b, h, shape, True)  # (Bn|1, Hn|1, L|1, S)
     sinks = None if inputs.sinks is None else _pick(inputs.sinks, b, h, shape, False)
@@ -171,12 +183,38 @@ def lead_index(index: object, nd: int) -> tuple | None:
     return tuple(out)
 
 
-def lead_rows(lead: tuple[int, ...], index: tuple) -> torch.Tensor:
-    """The view's (*new lead) grid of flat rows: torch's indexing of the lead grid (its
-    errors, e.g. an index out of range, are torch's). Tensor indices are read on the
-    CPU (a boolean mask's selection has a size only its values give)."""
+def grid(flat: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
+    """A (*new lead) tensor of rows as take's (new_lead, rows)."""
+    return tuple(flat.shape), flat.reshape(-1).tolist()
+
+
+def lead_rows(lead: tuple[int, ...], index: tuple) -> tuple[tuple[int, ...], list[int]]:
+    """The view's (new lead, rows): torch's indexing of the lead grid (its semantics and
+    errors), in plain Python for ints and slices (the indices made most: a few
+    microseconds). Tensor indices are read on the CPU (a boolean mask's selection has a
+    size only its values give)."""
+    if all(isinstance(i, int | slice) and not isinstance(i, bool) for i in index):
+        picked, new = [], []
+        for d, (n, item) in enumerate(
+            zip(lead, (*index, *[slice(None)] * (len(lead) - len(index))), strict=True)
+        ):
+            if isinstance(item, slice):
+                if item.step is not None and item.step <= 0:
+                    raise ValueError("step must be greater than zero")  # (torch's text)
+                picked.append(range(n)[item])
+                new.append(len(picked[-1]))
+            elif -n <= item < n:
+                picked.append((item % n,))
+            else:
+                raise IndexError(f"index {item} is out of bounds for dimension {d} with size {n}")
+        strides = [math.prod(lead[d + 1 :]) for d in range(len(lead))]
+        rows = [
+            sum(i * st for i, st in zip(at, strides, strict=True))
+            for at in itertools.product(*picked)
+        ]
+        return tuple(new), rows
     index = tuple(i.cpu() if isinstance(i, torch.Tensor) else i for i in index)
-    return rows_of(lead)[index]
+    return grid(rows_of(lead)[index])
 
 
 def _same(values: list) -> bool:

@@ -849,17 +849,18 @@ class AttentionWeights(_Reads, torch.Tensor):
         lead = self._inputs.lead
         part = leads.lead_index(index, len(lead) + 2)
         if part is not None:
-            view = self._lead_view(leads.lead_rows(tuple(lead), part))
+            view = self._lead_view(*leads.lead_rows(tuple(lead), part))
             if view is not None:
                 return view
         return _Reads.__getitem__(self, index)
 
-    def _lead_view(self, flat: torch.Tensor) -> AttentionWeights | None:
-        """The view of lead rows `flat` (sdpa.leads), or None where that layout has none.
+    def _lead_view(self, new_lead: tuple[int, ...], rows: list[int]) -> AttentionWeights | None:
+        """The view of lead rows `rows` in shape new_lead (sdpa.leads), or None where that
+        layout has none.
         It reads as the handle's own rows (gradients to the call's q, k, mask and sinks)
         and goes stale with the call's inputs."""
         self._check_fresh()
-        taken = leads.take(self._inputs, self._lse, self._probs, flat)
+        taken = leads.take(self._inputs, self._lse, self._probs, new_lead, rows)
         if taken is None:
             return None
         inputs, lse, probs = taken
@@ -902,7 +903,7 @@ class AttentionWeights(_Reads, torch.Tensor):
         backend = parts[0]._backend if all(t._backend is parts[0]._backend for t in parts) else None
         base = new_handle(AttentionWeights, inputs_j, lse, probs, backend, frozen[0])
         base._source = tuple(parts)  # (stale with any of them)
-        return base._lead_view(flat)
+        return base._lead_view(*leads.grid(flat))
 
     def _reshaped(self, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         """A view, reshape, flatten, unflatten, squeeze, unsqueeze or expand that keeps
@@ -921,7 +922,7 @@ class AttentionWeights(_Reads, torch.Tensor):
                 flat = func(grid[..., None, None], *args, **kwargs)[..., 0, 0]
             else:
                 flat = grid.reshape(new[:-2])
-            view = self._lead_view(flat)
+            view = self._lead_view(*leads.grid(flat))
             if view is not None:
                 return view
         return _on_dense(func, (self, *args), kwargs)
