@@ -299,3 +299,40 @@ def test_lazy_reads_of_16384_keys_stay_under_64_mib():
     assert done.returncode == 0, done.stderr[-2000:]
     mib = float(done.stdout.strip().splitlines()[-1])
     assert mib < 64, done.stderr
+
+
+def test_moving_the_handle_moves_its_recipe_not_the_weights(gen):
+    """w.to(device) / w.cpu() / w.cuda(): the recipe moves (q, k, the mask, LSE), nothing
+    L x S is made; a meta move answers every read with the dense tensor's shape, dtype
+    and device; the same device is the handle itself; another dtype too converts."""
+    q, k, v, mask = make_inputs(gen, B=2, Hq=3, L=7, S=9, mask_kind="float")
+    w = sdpa.attention(q, k, v, sdpa.masks.sinks(torch.randn(3, 1, 1), mask)).weights
+    assert w.cpu() is w and w.to("cpu") is w and w.to(w.dtype) is w
+    m = w.to("meta")
+    assert isinstance(m, sdpa.AttentionWeights) and m.device.type == "meta"
+    assert m._inputs.query.is_meta and m._inputs.mask.is_meta and m._inputs.sinks.is_meta
+    dense = w.full().to("meta")
+    for read in (lambda x: x, lambda x: x[0, 1, 2], lambda x: x.sum(-2), lambda x: x[1]):
+        got, want = read(m), read(dense)
+        got = got.full() if isinstance(got, sdpa.AttentionWeights) else got
+        assert (got.shape, got.dtype, got.device) == (want.shape, want.dtype, want.device)
+    d = w.to("meta", torch.float64)  # a move, then the dtype: dense on the new device
+    assert (d.shape, d.dtype, d.device.type) == (w.shape, torch.float64, "meta")
+    k.add_(1.0)
+    with pytest.raises(sdpa.StaleWeightsError):
+        m[0, 1, 2]  # stale with the call's inputs
+
+
+@pytest.mark.cuda
+def test_a_handle_moved_to_cuda_and_back_reads_as_the_dense_weights(gen):
+    q, k, v, mask = make_inputs(gen, B=2, Hq=3, L=70, S=90, mask_kind="key_padding")
+    q.requires_grad_()
+    w = sdpa.attention(q, k, v, mask).weights
+    g = w.cuda()
+    assert g.device.type == "cuda" and isinstance(g, sdpa.AttentionWeights)
+    torch.testing.assert_close(g[1, 2, 5].cpu(), w[1, 2, 5])
+    torch.testing.assert_close(g.sum(-2).cpu(), w.sum(-2), atol=1e-5, rtol=1e-5)
+    (got,) = torch.autograd.grad(g[0, 1, 3].square().sum(), q)
+    (want,) = torch.autograd.grad(w[0, 1, 3].square().sum(), q)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g.cpu().full(), w.full(), atol=1e-6, rtol=1e-5)

@@ -9,6 +9,7 @@ subset of families here.
 from __future__ import annotations
 
 import copy
+import io
 import math
 import warnings
 
@@ -260,6 +261,26 @@ def test_a_cache_idiom_answers_as_on_eager(caches, idiom):
     if "bfloat16" in idiom:  # the same ops on sdpa's own dense weights: the rounding
         twin = {("pattern", 1): deferred.dense_of(c1["pattern", 1], None)}
         close(got, CACHE_IDIOMS[idiom](twin), atol=1e-6)
+
+
+def test_a_saved_cache_keeps_the_recipe_and_loads_with_weights_only(caches):
+    """torch.save of a cache's patterns (its cache_dict: TransformerLens' ActivationCache
+    itself holds the model and its hooks, and pickles on eager no more than here) stores
+    sdpa's recipe, q, k and the LSE, not L x S: it loads with weights_only=True as
+    AttentionWeights equal to eager's patterns, in a fraction of eager's bytes."""
+    sizes, loaded = [], []
+    for c in caches:
+        buffer = io.BytesIO()
+        torch.save({n: p for n, p in c.cache_dict.items() if n.endswith("pattern")}, buffer)
+        sizes.append(buffer.tell())
+        buffer.seek(0)
+        loaded.append(torch.load(buffer, weights_only=True))
+    eager, ours = loaded
+    assert eager.keys() == ours.keys()
+    for name, want in eager.items():
+        assert isinstance(ours[name], sdpa.AttentionWeights)
+        torch.testing.assert_close(ours[name].full(), want, atol=ATOL, rtol=0)
+    assert sizes[1] < sizes[0] / 4, sizes  # (L = 300: the patterns are 9x the recipe)
 
 
 def test_a_cached_patterns_diagonal_is_lazy(caches):

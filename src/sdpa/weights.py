@@ -652,17 +652,46 @@ class _Reads:
         return handle(inputs, self._lse, probs, self._backend)
 
     def to(self, *args: object, **kwargs: object) -> torch.Tensor:
-        """The handle itself where nothing changes (as torch returns the tensor itself),
-        else the dense weights converted."""
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if (
-            (device is None or torch.device(device) == self.device)
-            and (dtype is None or dtype == self.dtype)
-            and memory_format in (None, torch.preserve_format)
-            and not kwargs.get("copy", False)
-        ):
+        """The handle itself where nothing changes (as torch returns the tensor itself);
+        to another device the recipe moves (q, k, the mask, LSE and sinks: nothing L x S
+        is made, and the handle there computes what is read); another dtype takes the
+        dense weights converted."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        plain = memory_format in (None, torch.preserve_format) and not kwargs.get("copy", False)
+        if plain and device is not None and torch.device(device) != self.device:
+            moved = self._moved(torch.device(device), non_blocking)
+            if moved is not None:
+                return moved if dtype is None or dtype == self.dtype else moved.to(dtype)
+        same_device = device is None or torch.device(device) == self.device
+        if plain and same_device and (dtype is None or dtype == self.dtype):
             return self
         return _on_dense(torch.Tensor.to, (self, *args), kwargs)
+
+    def _moved(self, device: torch.device, non_blocking: bool) -> AttentionWeights | None:
+        """This handle's recipe on `device` (gradients flow back through the moves; stale
+        with the originals), or None where a structured mask of your own cannot say what
+        its tensors are."""
+        self._check_fresh()
+        i = self._inputs
+        tensor, structured = masks.split(i.mask)
+        if structured is not None:
+            state = masks.state_of(structured)
+            if state is structured:  # (a Mask subclass of your own: its tensors unknown)
+                return None
+            structured = masks.from_state(_state_to(state, device, non_blocking))
+
+        def to(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        inputs = i._replace(
+            query=to(i.query), key=to(i.key), value=to(i.value),
+            mask=masks.join(to(tensor), structured), sinks=to(i.sinks),
+        )  # fmt: skip
+        view = new_handle(
+            AttentionWeights, inputs, to(self._lse), to(self._probs), self._backend, self._frozen
+        )
+        view._source, view._versions = self._source, self._versions
+        return view
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
         """The handle itself (it answers as a contiguous tensor), as torch returns a
@@ -671,10 +700,25 @@ class _Reads:
             return self
         return _on_dense(torch.Tensor.contiguous, (self,), {"memory_format": memory_format})
 
-    def cpu(self, *args: object, **kwargs: object) -> torch.Tensor:
-        if self.device.type == "cpu" and not args and not kwargs:
-            return self
-        return _on_dense(torch.Tensor.cpu, (self, *args), kwargs)
+    def cpu(self, memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
+        """The handle itself on the CPU, else its recipe moved there (see `to`)."""
+        return self.to("cpu", memory_format=memory_format)
+
+    def cuda(
+        self,
+        device: object = None,
+        non_blocking: bool = False,
+        memory_format: torch.memory_format = torch.preserve_format,
+    ) -> torch.Tensor:
+        """The recipe moved to a CUDA device (see `to`)."""
+        where = (
+            torch.device("cuda")
+            if device is None
+            else torch.device("cuda", device)
+            if isinstance(device, int)
+            else torch.device(device)
+        )
+        return self.to(where, non_blocking=non_blocking, memory_format=memory_format)
 
     def _dense(self, op: str) -> torch.Tensor:
         """The dense weights for an op no lazy read answers, within the default budget;
@@ -1114,6 +1158,15 @@ def _cast(dtype: torch.dtype) -> Callable:
     return cast
 
 
+def _state_to(state: object, device: torch.device, non_blocking: bool) -> object:
+    """A saved mask's state (masks.state_of) with its tensors on `device`."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device, non_blocking=non_blocking)
+    if isinstance(state, tuple):
+        return tuple(_state_to(s, device, non_blocking) for s in state)
+    return state
+
+
 def _meta_result(w: AttentionWeights, func: Callable, args: tuple, kwargs: dict) -> object:
     """func on a meta tensor of the weights' shape: torch's own checks and result
     shapes, computing nothing."""
@@ -1213,6 +1266,7 @@ READS: dict[Callable, Callable] = {
     T.requires_grad.__get__: AttentionWeights.requires_grad.fget,
     T.to: AttentionWeights.to,
     T.cpu: AttentionWeights.cpu,
+    T.cuda: AttentionWeights.cuda,
     T.contiguous: AttentionWeights.contiguous,
     **{cast: _cast(dtype) for cast, dtype in CASTS.items()},
     T.__format__: lambda w, spec: object.__format__(w, spec),  # (its repr: entries shown)

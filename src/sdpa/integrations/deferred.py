@@ -675,6 +675,18 @@ class LazyPattern(Deferred):
     sdpa's AttentionWeights (`.weights`) where the pattern equals them, else from
     replayed rows."""
 
+    def __reduce_ex__(self, protocol: int):
+        """torch.save / pickle of a whole unedited pattern keep sdpa's recipe (q, k, the
+        mask, the LSE: O(L x E), not L x S) and load as its AttentionWeights, which reads
+        as this pattern (torch.load(..., weights_only=True) too); any other pattern (a
+        view, a conversion, edits, a sink column) saves its values."""
+        node = self._node
+        if isinstance(node, Node) and node.fused and self._lead is None and self._to is None:
+            w = self.weights
+            if tuple(w.shape) == tuple(self.shape) and w.dtype == self.dtype:
+                return w.__reduce_ex__(protocol)
+        return super().__reduce_ex__(protocol)
+
 
 class LazyStack(Deferred):
     """torch.stack of lazy patterns or scores along a new dim 0 (ActivationCache's
