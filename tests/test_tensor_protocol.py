@@ -8,77 +8,135 @@ import copy
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import sdpa
+from engines import ENGINES, run_or_skip
 
 from conftest import make_inputs
 from oracle import oracle
 
-# habit -> the same on a tensor (applied to the handle and to its dense weights)
+# habit -> (cost class, the same on a tensor), applied to the handle and to its dense
+# weights, at B = 2, H = 3. The cost classes, each held by a test below:
+#   lazy   a read whose answer is O(L + S) per head: at L = S = 16384 in a fresh process
+#          its peak stays under 64 MiB (the dense weights: 6 GiB)
+#   view   a lazy handle of some leading rows (then read as the dense tensor in the
+#          value test); under 64 MiB at 16384 too
+#   dense  computed on the dense weights within max_bytes: past it refused, naming the
+#          lazy reads
+#   whole  reads whose answers together are L x S by nature (every row, every key block)
+LAZY, VIEW, DENSE, WHOLE = "lazy", "view", "dense", "whole"
 HABITS = {
-    "numpy": lambda w: torch.from_numpy(w.detach().numpy()),
-    "asarray": lambda w: torch.from_numpy(np.asarray(w.detach())),
-    "tolist": lambda w: torch.tensor(w.detach().tolist()),
-    "detach": lambda w: w.detach()[0, 1],
-    "cpu": lambda w: w.cpu()[..., 2],
-    "to-float64": lambda w: w.to(torch.float64),
-    "double": lambda w: w.double(),
-    "bfloat16": lambda w: w.bfloat16(),
-    "half-channels-last": lambda w: w.half(memory_format=torch.channels_last),
-    "contiguous-channels-last": lambda w: w.contiguous(memory_format=torch.channels_last),
-    "max": lambda w: w.max(-1).values,
-    "amax-all": lambda w: w.amax(),
-    "head-mean": lambda w: w.mean(dim=1),
-    "row-sums": lambda w: w.sum(-1),
-    "mean-keepdim": lambda w: w.mean(1, keepdim=True),
-    "sum-all": lambda w: w.sum(),
-    "stack": lambda w: torch.stack([w, w]),
-    "cat": lambda w: torch.cat([w, w], dim=-1),
-    "times-mask": lambda w: w * (torch.arange(w.shape[-1]) % 2),
-    "greater": lambda w: (w > 0.1).to(torch.float32),
-    "bool-index": lambda w: w[torch.tensor([True, False])],
-    "topk-values": lambda w: w.topk(2).values,
-    "diagonal": lambda w: torch.diagonal(w[0], -1, -2, -1),
-    "where": lambda w: torch.where(w > 0.2, w, 0.0),
-    "softmax-again": lambda w: torch.softmax(w, -1),
+    "numpy": (DENSE, lambda w: torch.from_numpy(w.detach().numpy())),
+    "asarray": (DENSE, lambda w: torch.from_numpy(np.asarray(w.detach()))),
+    "tolist": (DENSE, lambda w: torch.tensor(w.detach().tolist())),
+    "detach": (LAZY, lambda w: w.detach()[0, 1, 3]),
+    "cpu": (LAZY, lambda w: w.cpu()[..., 2]),
+    "to-float64": (DENSE, lambda w: w.to(torch.float64)),
+    "double": (DENSE, lambda w: w.double()),
+    "bfloat16": (DENSE, lambda w: w.bfloat16()),
+    "half-channels-last": (DENSE, lambda w: w.half(memory_format=torch.channels_last)),
+    "contiguous-channels-last": (DENSE, lambda w: w.contiguous(memory_format=torch.channels_last)),
+    "max": (LAZY, lambda w: w.max(-1).values),
+    "amax-all": (LAZY, lambda w: w.amax()),
+    "head-mean": (DENSE, lambda w: w.mean(dim=1)),
+    "row-sums": (LAZY, lambda w: w.sum(-1)),
+    "row-means-keepdim": (LAZY, lambda w: w.mean((-1, 1), keepdim=True)),
+    "mean-keepdim": (DENSE, lambda w: w.mean(1, keepdim=True)),
+    "sum-all": (LAZY, lambda w: w.sum()),
+    "stack": (VIEW, lambda w: torch.stack([w, w])),
+    "cat": (DENSE, lambda w: torch.cat([w, w], dim=-1)),
+    "times-mask": (DENSE, lambda w: w * (torch.arange(w.shape[-1]) % 2)),
+    "greater": (DENSE, lambda w: (w > 0.1).to(torch.float32)),
+    "bool-index": (VIEW, lambda w: w[torch.tensor([True, False])]),
+    "topk-values": (LAZY, lambda w: w.topk(2).values),
+    "diagonal": (LAZY, lambda w: torch.diagonal(w[0], -1, -2, -1)),
+    "where": (DENSE, lambda w: torch.where(w > 0.2, w, 0.0)),
+    "softmax-again": (DENSE, lambda w: torch.softmax(w, -1)),
     # views over the leading dims (lazy handles of fewer rows), then a read or dense op
-    "lead-index": lambda w: w[1],
-    "head-of-each": lambda w: w[:, 2][..., 3, :],
-    "index-list": lambda w: w[[1, 0, 1]].sum(-2),
-    "select": lambda w: w.select(1, -1),
-    "narrow": lambda w: w.narrow(1, 1, 2).amax(-1),
-    "unbind": lambda w: torch.stack(w.unbind(1)[1:]),
-    "split": lambda w: torch.cat([p.sum(-1) for p in torch.split(w, [1, 2], dim=1)], dim=1),
-    "chunk": lambda w: w.chunk(2, 0)[1],
-    "flatten-lead": lambda w: w.flatten(0, 1)[4],
-    "unsqueeze": lambda w: w.unsqueeze(0)[0, 1, 2, 3],
-    "reshape-lead": lambda w: w.reshape(3, 2, 7, 9).mean(0),
-    "view-then-diagonal": lambda w: torch.diagonal(w[1, 0], 1, -2, -1),
-    "row-of-a-view": lambda w: w.unbind(-2)[4],
-    "keys-split": lambda w: torch.split(w, 4, dim=-1)[2],
+    "lead-index": (VIEW, lambda w: w[1]),
+    "head-of-each": (LAZY, lambda w: w[:, 2][..., 3, :]),
+    "index-list": (LAZY, lambda w: w[[1, 0, 1]].sum(-2)),
+    "select": (VIEW, lambda w: w.select(1, -1)),
+    "narrow": (LAZY, lambda w: w.narrow(1, 1, 2).amax(-1)),
+    "unbind": (VIEW, lambda w: torch.stack(w.unbind(1)[1:])),
+    "split": (LAZY, lambda w: torch.cat([p.sum(-1) for p in torch.split(w, [1, 2], dim=1)], 1)),
+    "chunk": (VIEW, lambda w: w.chunk(2, 0)[1]),
+    "flatten-lead": (VIEW, lambda w: w.flatten(0, 1)[4]),
+    "unsqueeze": (LAZY, lambda w: w.unsqueeze(0)[0, 1, 2, 3]),
+    "reshape-lead": (DENSE, lambda w: w.reshape(3, 2, *w.shape[-2:]).mean(0)),
+    "view-then-diagonal": (LAZY, lambda w: torch.diagonal(w[1, 0], 1, -2, -1)),
+    "row-of-a-view": (WHOLE, lambda w: w.unbind(-2)[4]),
+    "keys-split": (WHOLE, lambda w: torch.split(w, 4, dim=-1)[2]),
 }
+COSTS = {name: cost for name, (cost, _) in HABITS.items()}
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("habit", list(HABITS))
-def test_a_habit_equals_the_dense_tensors_gradients_included(gen, habit):
+def test_a_habit_equals_the_dense_tensors_gradients_included(gen, habit, engine):
     q, k, v, _ = make_inputs(gen, B=2, Hq=3, L=7, S=9)
     q.requires_grad_()
-    w = sdpa.attention(q, k, v).weights
-    got, want = HABITS[habit](w), HABITS[habit](w.full())
-    if isinstance(got, sdpa.AttentionWeights):  # a view: lazy weights of fewer rows
-        got = got.full()
+    _, w, reads = run_or_skip(engine, q, k, v)
+    apply = HABITS[habit][1]
+    with reads:
+        got, want = apply(w), apply(w.full())
+        # a view is a lazy handle of fewer rows (then its dense weights are compared)
+        assert isinstance(got, sdpa.AttentionWeights) == (COSTS[habit] == VIEW)
+        got = got.full() if COSTS[habit] == VIEW else got
     assert type(got) is torch.Tensor and got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # (sums: fp32 order)
     if got.requires_grad:
         (g_got,) = torch.autograd.grad(got.double().square().sum(), q)
-        (g_want,) = torch.autograd.grad(HABITS[habit](w.full()).double().square().sum(), q)
+        (g_want,) = torch.autograd.grad(apply(w.full()).double().square().sum(), q)
         torch.testing.assert_close(g_got, g_want, atol=1e-5, rtol=0)  # fp32 gradients
     else:
         assert not want.requires_grad, "the dense twin carries a gradient the habit dropped"
+
+
+@pytest.mark.parametrize("habit", [h for h, cost in COSTS.items() if cost == DENSE])
+def test_a_dense_habit_past_the_budget_refuses_naming_the_lazy_reads(habit):
+    """Weights of (2, 3, 16385, 16385) need 6 GiB dense: each dense habit refuses before
+    allocating, and its message names the lazy reads (the diagonal and pairs included)."""
+    q, k, v = (torch.randn(2, 3, 16385, 4) for _ in range(3))
+    w = sdpa.attention(q, k, v).weights
+    with pytest.raises(sdpa.WeightsTooLargeError, match=r"diagonal.*pairs|pairs.*diagonal"):
+        HABITS[habit][1](w)
+
+
+# A fresh process: the table's lazy and view habits on weights of (2, 3, 16384, 16384)
+# (6 GiB dense in float32); it prints the peak's rise over the baseline taken after the
+# call (per habit on stderr, for a failure's message)
+TABLE_PEAK_CHILD = """
+import sys, torch, sdpa
+sys.path[:0] = [TESTS]
+from sdpa.measure import peak_rss_kib
+from test_tensor_protocol import HABITS, LAZY, VIEW
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 3, 16384, 4) for _ in range(3))
+w = sdpa.attention(q, k, v).weights
+base = peak_rss_kib()
+for name, (cost, habit) in HABITS.items():
+    if cost in (LAZY, VIEW):
+        got = habit(w)
+        print(f"{name}: {(peak_rss_kib() - base) / 1024:.1f} MiB", file=sys.stderr)
+print((peak_rss_kib() - base) / 1024)
+"""
+
+
+def test_the_lazy_and_view_habits_of_16384_keys_stay_under_64_mib():
+    """Every habit classed lazy or view, at L = S = 16384 with two batch elements of
+    three heads, in a fresh process: below 64 MiB over the call, where the dense weights
+    take 6 GiB."""
+    child = TABLE_PEAK_CHILD.replace("TESTS", repr(str(Path(__file__).parent)))
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    mib = float(done.stdout.strip().splitlines()[-1])
+    assert mib < 64, done.stderr
 
 
 def test_the_handle_is_a_tensor_of_the_listings_shape_dtype_and_device(gen):

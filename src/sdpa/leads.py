@@ -101,10 +101,10 @@ def take(
     rows: list[int],
 ) -> tuple[Inputs, torch.Tensor | None, torch.Tensor | None] | None:
     """(inputs, lse, kept weights) of the call for the lead rows `rows` (a view's
-    (*new_lead) grid of flat row positions, flattened), or None where the view is not one this
-    layout holds: its rows under one new batch element come from several of the call's
-    batch elements (a permutation of batch and head dims), or a structured mask with a
-    batch dim cannot say how to select (masks.Mask.take).
+    (*new_lead) grid of flat row positions, flattened), or None where a structured mask
+    with a batch dim cannot follow: the rows under one new batch element come from
+    several of the call's batch elements, or the mask cannot say how to select
+    (masks.Mask.take).
 
     q, k, v, the mask, the sinks, the LSE and kept weights are views where the rows are
     ranges, else copies of the chosen rows (O(rows x (L + S) x E), never L x S beyond
@@ -114,11 +114,11 @@ def take(
     group = inputs.group
     Bn, Hn = layout(new_lead)
     b, h = [f // Hq for f in rows], [f % Hq for f in rows]  # (n,) each
-    batch_rows = b[::Hn] if Hn else [0] * Bn  # the call's batch element of each new one
-    if Hn and b != [x for x in batch_rows for _ in range(Hn)]:
-        return None  # a new batch element over several of the call's: no such layout
     tensor, structured = masks.split(inputs.mask)
-    if structured is not None:
+    if structured is not None and structured.batch is not None:
+        batch_rows = b[::Hn] if Hn else [0] * Bn  # the call's batch element of each row
+        if Hn and b != [x for x in batch_rows for _ in range(Hn)]:
+            return None  # a row over several of the call's elements: one mask per row
         structured = structured.take(torch.tensor(batch_rows, dtype=torch.long))
         if structured is None:
             return None

@@ -521,17 +521,32 @@ class _Reads:
         return MaxLogits(row, head)
 
     def sum(self, *args: object, **kwargs: object) -> torch.Tensor:
-        """torch.sum of the weights. Over dims that include the queries (dim=-2; no dim:
-        every dim) it is lazy: the attention each key receives, (*lead, S), in O(L + S)
-        memory, then the other dims of that. Over the keys alone (every row sums to 1,
-        or 0 where it sees no key) it takes the dense weights."""
+        """torch.sum of the weights, lazy over any dims that include the queries or the
+        keys: over the queries (dim=-2; no dim: every dim) the attention each key
+        receives, (*lead, S), in O(L + S) memory, then the other dims of that; over the
+        keys, each row's sum (1, or 0 where it sees no key), (*lead, L), as the product
+        w @ 1 in O(chunk x S)."""
+        nd = len(self._inputs.shape)
+        dims, _ = _reduction(args, kwargs, nd)
+        if dims is not None and (nd - 2) not in dims and (nd - 1) in dims:
+            return self._reduce(torch.Tensor.sum, self._row_sums, -1, args, kwargs)
         return self._reduce(torch.Tensor.sum, self._key_sums, -2, args, kwargs)
+
+    def _row_sums(self) -> torch.Tensor:
+        """Each query row's sum over the keys, (*lead, L): w @ 1 (the product read, its
+        gradient included)."""
+        S = self._inputs.key.shape[2]
+        return (self @ torch.ones(S, 1, dtype=self.dtype, device=self.device))[..., 0]
 
     def mean(self, *args: object, **kwargs: object) -> torch.Tensor:
         """torch.mean of the weights: lazy over dims that include the queries (sum / L
-        then the mean of the other dims); other dims (the head mean w.mean(1) is
-        (B, L, S), L x S by nature) take the dense weights."""
-        L = max(1, self._inputs.query.shape[-2])
+        then the mean of the other dims) or the keys (row sums / S); other dims (the
+        head mean w.mean(1) is (B, L, S), L x S by nature) take the dense weights."""
+        L, S = max(1, self._inputs.query.shape[-2]), max(1, self._inputs.key.shape[-2])
+        nd = len(self._inputs.shape)
+        dims, _ = _reduction(args, kwargs, nd)
+        if dims is not None and (nd - 2) not in dims and (nd - 1) in dims:  # over the keys
+            return self._reduce(torch.Tensor.mean, lambda: self._row_sums() / S, -1, args, kwargs)
         return self._reduce(torch.Tensor.mean, lambda: self._key_sums() / L, -2, args, kwargs)
 
     def _reduce(self, op: Callable, lazy: Callable, at: int, args: tuple, kwargs: dict):
