@@ -168,6 +168,21 @@ def attention(
     return AttentionResult(out, weights_of(inputs, lse, p, impl, frozen=frozen_call))
 
 
+def output_only(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """attention(query, key, value, mask, scale=..., dropout_p=...).output, the same
+    computation, without making the weights' handle: for an integration's call whose
+    weights no one asked for (a decoding step's few microseconds)."""
+    return _compute(query, key, value, mask, False, scale, dropout_p, "auto")[1]
+
+
 class Explanation(NamedTuple):
     """What sdpa.explain says of some inputs (str() prints it as a short table)."""
 

@@ -93,7 +93,7 @@ import torch
 
 from sdpa import masks
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
-from sdpa.functional import AttentionResult, attention
+from sdpa.functional import AttentionResult, attention, output_only
 from sdpa.inputs import scale_of
 from sdpa.integrations.edits import Layout, Site, answer_of
 from sdpa.weights import AttentionWeights
@@ -551,12 +551,15 @@ def _attend(
     sinks: torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
     _sdpa_edits: tuple[tuple[Edit, ...], bool] | None = None,
+    _sdpa_weights: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, AttentionWeights | None]:
     """Output (B, L, H, D) and the lazy weights (B, H, L, S) of one attention call: what
     both registered functions take, each keyword honoured or checked. _sdpa_edits: the
     edits open on the module and whether the weights are needed; an edit that answers
-    gives the output (and the weights, or None for a bare tensor)."""
+    gives the output (and the weights, or None for a bare tensor). _sdpa_weights=False:
+    no one reads this call's weights (none asked for, no capture or edit open): None,
+    and no handle is made."""
     _check_keywords(module, kwargs)
     mask = _mask(module, query, key, attention_mask, is_causal, position_bias, indices)
     if softcap is not None:
@@ -568,6 +571,8 @@ def _attend(
     if _sdpa_edits is not None:
         edits, need_weights = _sdpa_edits
         got = _edited(module, edits, need_weights, query, key, value, mask, scaling, dropout)
+    if got is None and not _sdpa_weights:
+        got = output_only(query, key, value, mask, scale=scaling, dropout_p=dropout), None
     if got is None:
         got = attention(query, key, value, mask, scale=scaling, dropout_p=dropout)
     out, weights = got
@@ -585,8 +590,9 @@ def _attend_seen(
     """_attend, where the innermost open edit that answers replaces the attention, then
     each capture open on the module (outermost first) records the call."""
     opened = module.__dict__.get(_OPEN)  # one dict read when none is open
-    if not opened:
-        return _attend(module, query, key, *args, **kwargs)
+    if not opened:  # (the weights only where they are returned or asked for)
+        wanted = lazy or _attentions_wanted(kwargs)
+        return _attend(module, query, key, *args, _sdpa_weights=wanted, **kwargs)
     captures = [c for c in opened if isinstance(c, Capture)]
     edits = tuple(e for e in opened if isinstance(e, Edit))
     if edits:
