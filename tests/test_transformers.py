@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -430,3 +431,35 @@ def test_lazy_variant_returns_handles(batch):
         dense = eager(**batch, output_attentions=True).attentions
     rows = valid_rows(batch, dense[2])
     torch.testing.assert_close(out.attentions[2].full()[rows], dense[2][rows], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "causal"])
+@pytest.mark.parametrize("L", [1, 7])
+def test_a_call_whose_weights_no_one_reads_makes_no_handle_and_the_same_output(gen, mask_kind, L):
+    """Without output_attentions (and no capture or edit open) the function runs
+    output_only: no AttentionWeights is made, and the output is bitwise the one with
+    weights asked for (the lazy function's, and output_attentions=True's)."""
+    module = Attn(is_causal=mask_kind == "causal")
+    q, k, v = qkv(gen, L=L, S=7)
+    mask = {
+        "bool": torch.rand(2, 1, L, 7, generator=gen) > 0.3,
+        "float": torch.randn(2, 1, L, 7, generator=gen),
+    }.get(mask_kind)
+    args = (module, q, k, v, mask)
+    made = []
+    original = sdpa.weights.new_handle
+
+    def counting(*a, **kw):
+        made.append(1)
+        return original(*a, **kw)
+
+    with (
+        mock.patch.object(sdpa.weights, "new_handle", counting),
+        mock.patch.object(sdpa.functional, "new_handle", counting),
+    ):
+        plain, none = sdpa_hf.attention_forward(*args, scaling=0.4)
+        assert none is None and not made
+        asked, dense = sdpa_hf.attention_forward(*args, scaling=0.4, output_attentions=True)
+        lazy, w = sdpa_hf.lazy_attention_forward(*args, scaling=0.4)
+    assert made and isinstance(w, sdpa.AttentionWeights) and dense.shape == w.shape
+    assert torch.equal(plain, asked) and torch.equal(plain, lazy)
