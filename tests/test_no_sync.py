@@ -232,6 +232,13 @@ def _calls(device: str, kind: str, dtype, L: int, S: int):
         "topk": lambda: w.topk(min(2, S))[0],
         "kl": lambda: w.kl(w, reverse=True),
         "max logits": lambda: w.max_logits().row,
+        "row sums": lambda: w.sum(-1),
+        # views over the leading dims, then a read (their rows are laid out in Python)
+        "a batch view's rows": lambda: w[1][2, : min(L, 3)],
+        "a head view's sums": lambda: w[:, 3].sum(dim=-2),
+        "a stepped view": lambda: w[1:][:, ::2].amax(-1),
+        "a flattened view": lambda: w.flatten(0, 1)[5].amax(-1),
+        "a stack of handles": lambda: torch.stack([w, w])[1, 0, 2, : min(L, 3)],
     }
     with torch.no_grad():
         for name, read in reads.items():

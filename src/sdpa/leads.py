@@ -285,11 +285,55 @@ def join(
     return joined, torch.cat(lses), kept
 
 
-def part_rows(parts: list[Inputs]) -> list[torch.Tensor]:
-    """Each part's (*lead) grid of rows in the joined call (part after part)."""
-    out, start = [], 0
-    for p in parts:
-        grid = rows_of(tuple(p.lead))
-        out.append(grid + start)
-        start += grid.numel()
-    return out
+def _flat(at: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """The row-major position of index `at` in `shape`."""
+    f = 0
+    for i, n in zip(at, shape, strict=True):
+        f = f * n + i
+    return f
+
+
+def _each(shape: tuple[int, ...]):
+    return itertools.product(*(range(n) for n in shape))
+
+
+def reshaped_rows(lead: tuple[int, ...], new_lead: tuple[int, ...]):
+    """(new_lead, rows) of a row-major reshape of the lead (the same rows in order)."""
+    return tuple(new_lead), list(range(math.prod(lead)))
+
+
+def expanded_rows(lead: tuple[int, ...], new_lead: tuple[int, ...]):
+    """(new_lead, rows) of torch's expand of the lead to new_lead (aligned on the right:
+    new leading dims and dims of size 1 repeat their rows)."""
+    off = len(new_lead) - len(lead)
+    return tuple(new_lead), [
+        _flat(tuple(0 if n == 1 else at[j + off] for j, n in enumerate(lead)), lead)
+        for at in _each(new_lead)
+    ]
+
+
+def joined_rows(parts: list[Inputs], how: str, d: int):
+    """(new_lead, rows) of torch.stack (how "stack") or torch.cat ("cat") of the parts'
+    leads at dim d, in the joined call (part after part), or None where torch would
+    refuse the shapes (the dense path then raises torch's own error)."""
+    shapes = [tuple(p.lead) for p in parts]
+    starts = list(itertools.accumulate((math.prod(s) for s in shapes), initial=0))
+    first = shapes[0]
+    if how == "stack":
+        if any(s != first for s in shapes) or not 0 <= d <= len(first):
+            return None
+        new = (*first[:d], len(parts), *first[d:])
+        rows = [starts[at[d]] + _flat(at[:d] + at[d + 1 :], first) for at in _each(new)]
+        return new, rows
+    if not 0 <= d < len(first) or any(
+        len(s) != len(first) or s[:d] + s[d + 1 :] != first[:d] + first[d + 1 :] for s in shapes
+    ):
+        return None
+    offsets = list(itertools.accumulate((s[d] for s in shapes), initial=0))
+    new = (*first[:d], offsets[-1], *first[d + 1 :])
+    rows = []
+    for at in _each(new):
+        n = next(i for i in range(len(parts)) if at[d] < offsets[i + 1])
+        local = (*at[:d], at[d] - offsets[n], *at[d + 1 :])
+        rows.append(starts[n] + _flat(local, shapes[n]))
+    return new, rows

@@ -953,16 +953,14 @@ class AttentionWeights(_Reads, torch.Tensor):
         joined = leads.join(inputs, [t._log_sum_exp() for t in parts], [t._probs for t in parts])
         if joined is None or not all(f == frozen[0] for f in frozen):
             return None
-        grids = leads.part_rows(inputs)
-        try:
-            flat = func(grids, d)  # torch's own stack / cat of the rows (and its errors)
-        except (RuntimeError, IndexError):
-            return None
+        rows = leads.joined_rows(inputs, "stack" if func is torch.stack else "cat", d)
+        if rows is None:
+            return None  # (shapes torch refuses: the dense path raises its error)
         inputs_j, lse, probs = joined
         backend = parts[0]._backend if all(t._backend is parts[0]._backend for t in parts) else None
         base = new_handle(AttentionWeights, inputs_j, lse, probs, backend, frozen[0])
         base._source = tuple(parts)  # (stale with any of them)
-        return base._lead_view(*leads.grid(flat))
+        return base._lead_view(*rows)
 
     def _reshaped(self, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         """A view, reshape, flatten, unflatten, squeeze, unsqueeze or expand that keeps
@@ -976,12 +974,11 @@ class AttentionWeights(_Reads, torch.Tensor):
         except (RuntimeError, TypeError, IndexError):
             new = None
         if new is not None and new[-2:] == shape[-2:] and len(new) >= 2:
-            grid = leads.rows_of(shape[:-2])
             if func in _EXPANDS:  # rows repeat (read once each) along the new dims
-                flat = func(grid[..., None, None], *args, **kwargs)[..., 0, 0]
+                rows = leads.expanded_rows(shape[:-2], new[:-2])
             else:
-                flat = grid.reshape(new[:-2])
-            view = self._lead_view(*leads.grid(flat))
+                rows = leads.reshaped_rows(shape[:-2], new[:-2])
+            view = self._lead_view(*rows)
             if view is not None:
                 return view
         return _on_dense(func, (self, *args), kwargs)
