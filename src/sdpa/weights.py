@@ -943,19 +943,13 @@ class AttentionWeights(_Reads, torch.Tensor):
         if d is None or d >= nd - 2:
             return None  # (over the query or key dims: the dense weights)
         inputs = [t._inputs for t in parts]
-        if func is torch.cat and not all(
-            tuple(i.shape[:d]) + tuple(i.shape[d + 1 :])
-            == tuple(inputs[0].shape[:d]) + tuple(inputs[0].shape[d + 1 :])
-            for i in inputs
-        ):
-            return None
         frozen = [t._frozen for t in parts]
-        joined = leads.join(inputs, [t._log_sum_exp() for t in parts], [t._probs for t in parts])
-        if joined is None or not all(f == frozen[0] for f in frozen):
-            return None
         rows = leads.joined_rows(inputs, "stack" if func is torch.stack else "cat", d)
-        if rows is None:
+        if rows is None or not all(f == frozen[0] for f in frozen):
             return None  # (shapes torch refuses: the dense path raises its error)
+        joined = leads.join(inputs, [t._log_sum_exp() for t in parts], [t._probs for t in parts])
+        if joined is None:
+            return None
         inputs_j, lse, probs = joined
         backend = parts[0]._backend if all(t._backend is parts[0]._backend for t in parts) else None
         base = new_handle(AttentionWeights, inputs_j, lse, probs, backend, frozen[0])
@@ -969,8 +963,7 @@ class AttentionWeights(_Reads, torch.Tensor):
         weights. The result's shape is torch's own (asked of a meta tensor)."""
         shape = tuple(self._inputs.shape)
         try:
-            meta = torch.empty(shape, device="meta")
-            new = tuple(func(meta, *args, **kwargs).shape)
+            new = tuple(_meta_result(self, func, args, kwargs).shape)
         except (RuntimeError, TypeError, IndexError):
             new = None
         if new is not None and new[-2:] == shape[-2:] and len(new) >= 2:
