@@ -14,6 +14,10 @@ silently); 2 when a run could not be made (the other benchmarks are still compar
     python benchmarks/ab_bench.py --base 0bc6774 --only "decode float32" bench_decode
     python benchmarks/ab_bench.py --base 702ddac --quick --only text bench_core
     python benchmarks/ab_bench.py --base 702ddac --rounds 5 --only "dense, 2 ranks" bench_ring
+    python benchmarks/ab_bench.py --base 702ddac --rounds 3 --reps 3 bench_train
+
+--reps passes the benchmark's own --reps (each side's repetitions in one run, default 15)
+for cases that take seconds a call; the median of each run is then of that many.
 
 NAME is a benchmark built on sdpa.benchmark (its JSON rows carry case, peer and ratio);
 benchmarks/NAME.py exists under that name in the base too (commits from before this file
@@ -100,21 +104,33 @@ def _ring_ratios(results: object) -> list[dict] | None:
     ]
 
 
-def _run(tree: Path, bench: str, only: str | None, quick: bool) -> dict[str, float]:
+def _command(
+    script: Path, bench: str, out: str, only: str | None, quick: bool, reps: int | None
+) -> list[str]:
+    """The command line of one run of `script` writing its JSON to `out`."""
+    if bench == RING and (quick or reps):
+        raise RunError(f"{bench} takes no --quick or --reps (its cases are its sizes)")
+    cmd = [sys.executable, str(script), "--json", out]
+    if bench != RING:
+        cmd.append("--no-memory")
+    if only:
+        cmd += _ring_selection(only) if bench == RING else ["--only", only]
+    if quick:
+        cmd.append("--quick")
+    if reps:
+        cmd += ["--reps", str(reps)]
+    return cmd
+
+
+def _run(
+    tree: Path, bench: str, only: str | None, quick: bool, reps: int | None = None
+) -> dict[str, float]:
     """{case: ours / peer} of one run of benchmarks/`bench`.py in `tree`."""
     script = tree / "benchmarks" / f"{bench}.py"
     if not script.is_file():
         raise RunError(f"{script.relative_to(tree)} does not exist in {tree}")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, str(script), "--json", out.name]
-        if bench == RING and quick:
-            raise RunError(f"{bench} takes no --quick (its cases are its sizes)")
-        if bench != RING:
-            cmd.append("--no-memory")
-        if only:
-            cmd += _ring_selection(only) if bench == RING else ["--only", only]
-        if quick:
-            cmd.append("--quick")
+        cmd = _command(script, bench, out.name, only, quick, reps)
         done = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True)
         if done.returncode != 0:
             raise RunError(
@@ -200,12 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", help="only the cases whose id contains this")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int,
+                        help="each run's repetitions of a side (the benchmarks' own --reps; "
+                             "default theirs, 15): for cases of seconds a call")  # fmt: skip
     parser.add_argument("--threshold", type=float, default=1.05,
                         help="head/base above this fails (default 1.05: 5%% worse)")  # fmt: skip
     parser.add_argument("--json", help="write the comparison here")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or not args.threshold > 0:
-        parser.error("--rounds must be at least 1 and --threshold above 0")
+    if args.rounds < 1 or not args.threshold > 0 or (args.reps is not None and args.reps < 1):
+        parser.error("--rounds and --reps must be at least 1 and --threshold above 0")
     benches = [Path(b).name.removesuffix(".py") for b in args.benches]
     reports: dict[str, Report] = {}
     failed: dict[str, str] = {}  # bench -> why no comparison was made (the others go on)
@@ -219,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     for r in range(args.rounds):
                         for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                            runs[side].append(_run(trees[side], bench, args.only, args.quick))
+                            runs[side].append(
+                                _run(trees[side], bench, args.only, args.quick, args.reps)
+                            )
                 except RunError as e:
                     failed[bench] = str(e)
                     print(f"ab_bench: error: {e}", file=sys.stderr, flush=True)

@@ -57,7 +57,7 @@ def _fake_runs(monkeypatch, ab, tmp_path, per_side):
     def base_tree(commit):
         yield tmp_path
 
-    def run(tree, bench, only, quick):
+    def run(tree, bench, only, quick, reps=None):
         side = "base" if tree == tmp_path else "head"
         calls.append((side, bench))
         return per_side[side]
@@ -109,10 +109,10 @@ def test_a_failing_benchmark_does_not_stop_the_others(ab, monkeypatch, tmp_path,
     calls = _fake_runs(monkeypatch, ab, tmp_path, {"base": {"a": 1.0}, "head": {"a": 1.0}})
     faked = ab._run
 
-    def run(tree, bench, only, quick):
+    def run(tree, bench, only, quick, reps=None):
         if bench == "bench_broken":
             raise ab.RunError("bench_broken exited with status 1")
-        return faked(tree, bench, only, quick)
+        return faked(tree, bench, only, quick, reps)
 
     monkeypatch.setattr(ab, "_run", run)
     out = tmp_path / "ab.json"
@@ -155,3 +155,17 @@ def test_the_ring_benchmark_only_runs_the_selected_mode_and_ranks(ab):
     for bad in ("dense, two ranks", "dense, 2", ", 2 ranks"):
         with pytest.raises(ab.RunError, match="a mode or a case id"):
             ab._ring_selection(bad)
+
+
+def test_the_run_command_passes_only_quick_and_reps_on(ab):
+    """What a run is started with: the benchmark's own --only, --quick and --reps, memory
+    never measured; bench_ring takes a selection of its modes and refuses the others."""
+    cmd = ab._command(Path("b.py"), "bench_train", "o.json", "kl 4096", False, 3)
+    assert cmd[1:] == ["b.py", "--json", "o.json", "--no-memory", "--only", "kl 4096",
+                       "--reps", "3"]  # fmt: skip
+    assert ab._command(Path("b.py"), "bench_core", "o.json", None, True, None)[-1] == "--quick"
+    ring = ab._command(Path("r.py"), ab.RING, "o.json", "dense", False, None)
+    assert ring[1:] == ["r.py", "--json", "o.json", "--modes", "dense"]
+    for quick, reps in ((True, None), (False, 3)):
+        with pytest.raises(ab.RunError, match="takes no --quick or --reps"):
+            ab._command(Path("r.py"), ab.RING, "o.json", None, quick, reps)
