@@ -16,6 +16,7 @@ import torch
 
 import sdpa
 from engines import ENGINES, run_or_skip
+from sdpa.lazy import LazyExpr
 
 from conftest import make_inputs
 from oracle import oracle
@@ -26,37 +27,59 @@ from oracle import oracle
 #          its peak stays under 64 MiB (the dense weights: 6 GiB)
 #   view   a lazy handle of some leading rows (then read as the dense tensor in the
 #          value test); under 64 MiB at 16384 too
+#   expr   a lazy expression (sdpa.lazy.LazyExpr: elementwise ops, casts, a transpose,
+#          a reduction over leading dims), made in O(1) and read as the dense tensor in
+#          the value test; under 64 MiB at 16384 too
 #   dense  computed on the dense weights within max_bytes: past it refused, naming the
 #          lazy reads
 #   whole  reads whose answers together are L x S by nature (every row, every key block)
-LAZY, VIEW, DENSE, WHOLE = "lazy", "view", "dense", "whole"
+LAZY, VIEW, EXPR, DENSE, WHOLE = "lazy", "view", "expr", "dense", "whole"
 HABITS = {
     "numpy": (DENSE, lambda w: torch.from_numpy(w.detach().numpy())),
     "asarray": (DENSE, lambda w: torch.from_numpy(np.asarray(w.detach()))),
     "tolist": (DENSE, lambda w: torch.tensor(w.detach().tolist())),
     "detach": (LAZY, lambda w: w.detach()[0, 1, 3]),
     "cpu": (LAZY, lambda w: w.cpu()[..., 2]),
-    "to-float64": (DENSE, lambda w: w.to(torch.float64)),
-    "double": (DENSE, lambda w: w.double()),
-    "bfloat16": (DENSE, lambda w: w.bfloat16()),
+    "to-float64": (EXPR, lambda w: w.to(torch.float64)),
+    "double": (EXPR, lambda w: w.double()),
+    "bfloat16": (EXPR, lambda w: w.bfloat16()),
     "half-channels-last": (DENSE, lambda w: w.half(memory_format=torch.channels_last)),
     "contiguous-channels-last": (DENSE, lambda w: w.contiguous(memory_format=torch.channels_last)),
     "max": (LAZY, lambda w: w.max(-1).values),
     "amax-all": (LAZY, lambda w: w.amax()),
-    "head-mean": (DENSE, lambda w: w.mean(dim=1)),
+    "head-mean": (EXPR, lambda w: w.mean(dim=1)),
     "row-sums": (LAZY, lambda w: w.sum(-1)),
     "row-means-keepdim": (LAZY, lambda w: w.mean((-1, 1), keepdim=True)),
-    "mean-keepdim": (DENSE, lambda w: w.mean(1, keepdim=True)),
+    "mean-keepdim": (EXPR, lambda w: w.mean(1, keepdim=True)),
     "sum-all": (LAZY, lambda w: w.sum()),
     "stack": (VIEW, lambda w: torch.stack([w, w])),
     "cat": (DENSE, lambda w: torch.cat([w, w], dim=-1)),
-    "times-mask": (DENSE, lambda w: w * (torch.arange(w.shape[-1]) % 2)),
-    "greater": (DENSE, lambda w: (w > 0.1).to(torch.float32)),
+    "times-mask": (EXPR, lambda w: w * (torch.arange(w.shape[-1]) % 2)),
+    "greater": (EXPR, lambda w: (w > 0.1).to(torch.float32)),
     "bool-index": (VIEW, lambda w: w[torch.tensor([True, False])]),
     "topk-values": (LAZY, lambda w: w.topk(2).values),
     "diagonal": (LAZY, lambda w: torch.diagonal(w[0], -1, -2, -1)),
-    "where": (DENSE, lambda w: torch.where(w > 0.2, w, 0.0)),
+    "where": (EXPR, lambda w: torch.where(w > 0.2, w, 0.0)),
     "softmax-again": (DENSE, lambda w: torch.softmax(w, -1)),
+    "softmax-of-an-expression": (DENSE, lambda w: torch.softmax(w * 2, -1)),
+    "masked-row-sums": (LAZY, lambda w: (w * (torch.arange(w.shape[-1]) % 2)).sum(-1)),
+    "count-over": (LAZY, lambda w: (w > 0.1).sum(-1)),
+    "hand-entropy": (LAZY, lambda w: -(w * w.log()).sum(-1)),
+    "log-head-mean-row": (LAZY, lambda w: w.log().mean(1)[0, 5]),
+    "bfloat16-row": (LAZY, lambda w: w.to(torch.bfloat16).float()[0, 1, 3]),
+    "head-mean-row": (LAZY, lambda w: w.mean(1)[1, 2]),
+    "head-mean-image": (EXPR, lambda w: w.mean(1)[0]),
+    "transpose": (EXPR, lambda w: w.mT),
+    "transpose-row": (LAZY, lambda w: w.mT[..., 2, :]),
+    "transpose-sums": (LAZY, lambda w: w.transpose(-2, -1).sum(-1)),
+    "transpose-product": (LAZY, lambda w: w.mT @ torch.linspace(0, 1, w.shape[-2])),
+    "product-with-transpose": (
+        LAZY,
+        lambda w: torch.linspace(0, 1, 2 * w.shape[-1]).reshape(2, -1) @ w.mT,
+    ),
+    "masked-max": (LAZY, lambda w: torch.where(w > 0.2, w, 0.0).amax(-1)),
+    "scaled-topk": (LAZY, lambda w: (w * 3).topk(2).values),
+    "scaled-diagonal": (LAZY, lambda w: torch.diagonal(w * 2, -1, -2, -1)),
     # views over the leading dims (lazy handles of fewer rows), then a read or dense op
     "lead-index": (VIEW, lambda w: w[1]),
     "head-of-each": (LAZY, lambda w: w[:, 2][..., 3, :]),
@@ -68,7 +91,7 @@ HABITS = {
     "chunk": (VIEW, lambda w: w.chunk(2, 0)[1]),
     "flatten-lead": (VIEW, lambda w: w.flatten(0, 1)[4]),
     "unsqueeze": (LAZY, lambda w: w.unsqueeze(0)[0, 1, 2, 3]),
-    "reshape-lead": (DENSE, lambda w: w.reshape(3, 2, *w.shape[-2:]).mean(0)),
+    "reshape-lead": (EXPR, lambda w: w.reshape(3, 2, *w.shape[-2:]).mean(0)),
     "view-then-diagonal": (LAZY, lambda w: torch.diagonal(w[1, 0], 1, -2, -1)),
     "row-of-a-view": (WHOLE, lambda w: w.unbind(-2)[4]),
     "keys-split": (WHOLE, lambda w: torch.split(w, 4, dim=-1)[2]),
@@ -85,9 +108,11 @@ def test_a_habit_equals_the_dense_tensors_gradients_included(gen, habit, engine)
     apply = HABITS[habit][1]
     with reads:
         got, want = apply(w), apply(w.full())
-        # a view is a lazy handle of fewer rows (then its dense weights are compared)
+        # a view is a lazy handle of fewer rows, an expression a lazy recipe (then
+        # their dense values are compared)
         assert isinstance(got, sdpa.AttentionWeights) == (COSTS[habit] == VIEW)
-        got = got.full() if COSTS[habit] == VIEW else got
+        assert isinstance(got, LazyExpr) == (COSTS[habit] == EXPR)
+        got = got.full() if COSTS[habit] in (VIEW, EXPR) else got
     assert type(got) is torch.Tensor and got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # (sums: fp32 order)
     if got.requires_grad:
@@ -115,13 +140,13 @@ TABLE_PEAK_CHILD = """
 import sys, torch, sdpa
 sys.path[:0] = [TESTS]
 from sdpa.measure import peak_rss_kib
-from test_tensor_protocol import HABITS, LAZY, VIEW
+from test_tensor_protocol import EXPR, HABITS, LAZY, VIEW
 torch.manual_seed(0)
 q, k, v = (torch.randn(2, 3, 16384, 4) for _ in range(3))
 w = sdpa.attention(q, k, v).weights
 base = peak_rss_kib()
 for name, (cost, habit) in HABITS.items():
-    if cost in (LAZY, VIEW):
+    if cost in (LAZY, VIEW, EXPR):
         got = habit(w)
         print(f"{name}: {(peak_rss_kib() - base) / 1024:.1f} MiB", file=sys.stderr)
 print((peak_rss_kib() - base) / 1024)
@@ -129,7 +154,7 @@ print((peak_rss_kib() - base) / 1024)
 
 
 def test_the_lazy_and_view_habits_of_16384_keys_stay_under_64_mib():
-    """Every habit classed lazy or view, at L = S = 16384 with two batch elements of
+    """Every habit classed lazy, view or expr, at L = S = 16384 with two batch elements of
     three heads, in a fresh process: below 64 MiB over the call, where the dense weights
     take 6 GiB."""
     child = TABLE_PEAK_CHILD.replace("TESTS", repr(str(Path(__file__).parent)))
@@ -160,7 +185,7 @@ def test_what_changes_nothing_returns_the_handle_itself(gen):
                  w.float(memory_format=torch.preserve_format)):  # fmt: skip
         assert same is w
     w64 = sdpa.attention(q.double(), k.double(), v.double()).weights
-    assert w64.double() is w64 and type(w64.float()) is torch.Tensor
+    assert w64.double() is w64 and type(w64.float()) is LazyExpr  # (a cast read as read)
 
 
 def test_detach_is_lazy_carries_no_gradient_and_goes_stale_with_the_original(gen):

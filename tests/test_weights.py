@@ -464,10 +464,11 @@ def test_an_op_past_the_budget_refuses_naming_it_and_the_lazy_reads(gen):
     past it WeightsTooLargeError names the op and the lazy reads (no allocation)."""
     q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=12000, S=12000, E=8)
     w = sdpa.attention(q, k, v).weights  # 1.07 GiB dense in float32
-    with pytest.raises(sdpa.WeightsTooLargeError, match=r"`mean` on AttentionWeights .* "
+    with pytest.raises(sdpa.WeightsTooLargeError, match=r"`cumsum` on AttentionWeights .* "
                        r"Lazy reads .* torch.diagonal\(w, offset, -2, -1\), w.pairs"):  # fmt: skip
-        w.mean(1)
+        w.cumsum(-1)
     assert w.mean(dim=-2).shape == (1, 2, 12000)  # lazy: O(L + S)
+    assert w.mean(1)[0, 7].shape == (12000,)  # the head mean: a lazy expression
 
 
 @pytest.mark.parametrize("k", [-1, 10, 2.0, True])

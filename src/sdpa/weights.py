@@ -37,6 +37,25 @@ from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
 from sdpa.inputs import Inputs, check_flag, compute_dtype, empty, no_autocast
+from sdpa.lazy import (
+    GRAD_OF_LAZY,
+    LAZY_READS,
+    METADATA,
+    TRANSPOSES,
+    Lazy,
+    LazyTensor,
+    LeadReduction,
+    dim_of,
+    expr,
+    metadata,
+    on_dense,
+    printed,
+    reduce_lead,
+    reduction_of,
+    refuses_grad,
+    transpose,
+    transposes,
+)
 
 
 def chunked_engine() -> contextlib.AbstractContextManager:
@@ -93,7 +112,7 @@ class Provider(NamedTuple):
     compute: Callable[..., object]
 
 
-class _Reads:
+class _Reads(Lazy):
     """The reads of a handle, shared by AttentionWeights (the tensor) and GraphWeights
     (the same recipe inside a torch.compile region)."""
 
@@ -322,7 +341,8 @@ class _Reads:
         leading dims; the query dim takes an int, a slice or a list / 1-D integer tensor
         or array of query positions, and so does the key dim, e.g. w[0, :, 5] -> (H, S),
         w[0, 1, 10:20] -> (10, S), w[0, :, :, j] -> (H, L), w[..., [j1, j2]] ->
-        (..., L, 2). A selection of rows costs O(rows x S), of keys O(L x keys)."""
+        (..., L, 2); two lists pair up as torch pairs them, w[..., [i1, i2], [j1, j2]] ->
+        (..., 2). A selection of rows costs O(rows x S), of keys O(L x keys)."""
         self._check_fresh()
         try:
             selection = _Selection.of(index, self._inputs)
@@ -334,6 +354,11 @@ class _Reads:
         held = self._held(grad=needs is not None)
         if held is not None:  # a copy of the selected weights the backend kept
             return selection.apply(held.reshape(self._inputs.shape)).clone()
+        q_item, k_item = selection.q_item, selection.k_item
+        if isinstance(q_item, torch.Tensor) and isinstance(k_item, torch.Tensor):
+            # two lists of positions pair up, as torch's indexing does: w[i[p], j[p]]
+            qi, kj = torch.broadcast_tensors(q_item, k_item)
+            return self.pairs(qi, kj)[selection.lead_items]
         return selection.read(self._inputs, self._log_sum_exp(), needs)
 
     def pairs(self, q_index: object, k_index: object) -> torch.Tensor:
@@ -373,9 +398,9 @@ class _Reads:
         pairs, in O(|lead| x n x E); offset=-1 is each query's weight on the previous
         token. Other dims (torch's default 0, 1 included) take the dense weights."""
         nd = len(self._inputs.shape)
-        dims = _dim(dim1, nd), _dim(dim2, nd)
+        dims = dim_of(dim1, nd), dim_of(dim2, nd)
         if dims != (nd - 2, nd - 1) or isinstance(offset, bool) or not isinstance(offset, int):
-            return _on_dense(torch.Tensor.diagonal, (self, offset, dim1, dim2), {})
+            return on_dense(torch.Tensor.diagonal, (self, offset, dim1, dim2), {})
         L, S = self._inputs.shape[-2:]
         first = max(0, -offset)
         last = min(L, S - offset)  # exclusive
@@ -453,7 +478,7 @@ class _Reads:
         (one fused call, differentiable in q, k, x, a float mask and the sinks; never
         L x S). Rollout, span mass and value-weighted reads are such products."""
         if isinstance(x, _Reads):
-            return _on_dense(torch.matmul, (self, x), {})
+            return on_dense(torch.matmul, (self, x), {})
         self._check_fresh()
         i = self._inputs
         xb = _per_head(x, i, "x", -2)  # (B, Hq, S, F)
@@ -527,7 +552,7 @@ class _Reads:
         keys, each row's sum (1, or 0 where it sees no key), (*lead, L), as the product
         w @ 1 in O(chunk x S)."""
         nd = len(self._inputs.shape)
-        dims, _ = _reduction(args, kwargs, nd)
+        dims, _ = reduction_of(args, kwargs, nd)
         if dims is not None and (nd - 2) not in dims and (nd - 1) in dims:
             return self._reduce(torch.Tensor.sum, self._row_sums, -1, args, kwargs)
         return self._reduce(torch.Tensor.sum, self._key_sums, -2, args, kwargs)
@@ -541,10 +566,11 @@ class _Reads:
     def mean(self, *args: object, **kwargs: object) -> torch.Tensor:
         """torch.mean of the weights: lazy over dims that include the queries (sum / L
         then the mean of the other dims) or the keys (row sums / S); other dims (the
-        head mean w.mean(1) is (B, L, S), L x S by nature) take the dense weights."""
+        head mean w.mean(1), (B, L, S)) are a lazy expression whose index reads rows
+        (sdpa.lazy.reduce_lead)."""
         L, S = max(1, self._inputs.query.shape[-2]), max(1, self._inputs.key.shape[-2])
         nd = len(self._inputs.shape)
-        dims, _ = _reduction(args, kwargs, nd)
+        dims, _ = reduction_of(args, kwargs, nd)
         if dims is not None and (nd - 2) not in dims and (nd - 1) in dims:  # over the keys
             return self._reduce(torch.Tensor.mean, lambda: self._row_sums() / S, -1, args, kwargs)
         return self._reduce(torch.Tensor.mean, lambda: self._key_sums() / L, -2, args, kwargs)
@@ -553,9 +579,12 @@ class _Reads:
         """op(w, *args, **kwargs): where its dims include `at` (-2 or -1), lazy() (the
         reduction over `at`) reduced over the other dims by op; else the dense op."""
         nd = len(self._inputs.shape)
-        dims, keepdim = _reduction(args, kwargs, nd, "dim", None if op is not T.amax else ())
+        dims, keepdim = reduction_of(args, kwargs, nd, "dim", None if op is not T.amax else ())
+        if dims is not None and max(dims) < nd - 2 and isinstance(self, LazyTensor):
+            # over leading dims alone (the head mean): lazy, its index reads rows
+            return reduce_lead(self, LeadReduction(op.__name__, tuple(sorted(dims)), keepdim, None))
         if dims is None or at % nd not in dims:
-            return _on_dense(op, (self, *args), kwargs)
+            return on_dense(op, (self, *args), kwargs)
         out = lazy().unsqueeze(at)
         rest = sorted(dims - {at % nd})
         if rest:
@@ -580,8 +609,18 @@ class _Reads:
     def amax(self, *args: object, **kwargs: object) -> torch.Tensor:
         """torch.amax of the weights: lazy over dims that include the keys (each query
         row's largest weight, (*lead, L), 0 for rows that see no key, then the other
-        dims of that); other dims take the dense weights."""
+        dims of that); over leading dims alone a lazy expression (sdpa.lazy); other
+        dims take the dense weights."""
         return self._reduce(torch.Tensor.amax, self._row_max, -1, args, kwargs)
+
+    def amin(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """torch.amin of the weights: over leading dims alone a lazy expression whose
+        index reads rows (sdpa.lazy); other dims take the dense weights."""
+        nd = len(self._inputs.shape)
+        dims, keepdim = reduction_of(args, kwargs, nd, "dim", ())
+        if dims is not None and max(dims) < nd - 2 and isinstance(self, LazyTensor):
+            return reduce_lead(self, LeadReduction("amin", tuple(sorted(dims)), keepdim, None))
+        return on_dense(torch.Tensor.amin, (self, *args), kwargs)
 
     def _row_max(self) -> torch.Tensor:
         self._check_fresh()
@@ -596,9 +635,9 @@ class _Reads:
         nd = len(self._inputs.shape)
         if not args and not kwargs:  # the largest weight of all
             return self.amax()
-        dims, keepdim = _reduction(args, kwargs, nd, "dim", -nd - 1)
+        dims, keepdim = reduction_of(args, kwargs, nd, "dim", -nd - 1)
         if dims != {nd - 1} or not (args or "dim" in kwargs):
-            return _on_dense(torch.Tensor.max, (self, *args), kwargs)
+            return on_dense(torch.Tensor.max, (self, *args), kwargs)
         values, indices = self._topk(1)
         if not keepdim:
             values, indices = values[..., 0], indices[..., 0]
@@ -608,9 +647,9 @@ class _Reads:
         """torch.argmax of the weights: over the keys (dim=-1) lazy (the key each query
         attends most, from topk(1)); otherwise on the dense weights."""
         nd = len(self._inputs.shape)
-        dims, keepdim = _reduction(args, kwargs, nd, "dim", -nd - 1)
+        dims, keepdim = reduction_of(args, kwargs, nd, "dim", -nd - 1)
         if dims != {nd - 1}:
-            return _on_dense(torch.Tensor.argmax, (self, *args), kwargs)
+            return on_dense(torch.Tensor.argmax, (self, *args), kwargs)
         with torch.no_grad():  # (indices carry no gradient)
             indices = self._topk(1)[1]
         return indices if keepdim else indices[..., 0]
@@ -621,8 +660,8 @@ class _Reads:
         (values, indices), each (*lead, L, k); rows that see no key give values 0.
         Other dims, or largest=False, take the dense weights."""
         nd = len(self._inputs.shape)
-        if largest is not True or _dim(dim, nd) != nd - 1:
-            return _on_dense(torch.Tensor.topk, (self, k, dim, largest, sorted), {})
+        if largest is not True or dim_of(dim, nd) != nd - 1:
+            return on_dense(torch.Tensor.topk, (self, k, dim, largest, sorted), {})
         return torch.return_types.topk(self._topk(k))
 
     def _topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -670,7 +709,8 @@ class _Reads:
         """The handle itself where nothing changes (as torch returns the tensor itself);
         to another device the recipe moves (q, k, the mask, LSE and sinks: nothing L x S
         is made, and the handle there computes what is read); another dtype takes the
-        dense weights converted."""
+        weights converted as they are read (a lazy expression: w.to(torch.bfloat16)[0, 1]
+        reads one row and rounds it)."""
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         plain = memory_format in (None, torch.preserve_format) and not kwargs.get("copy", False)
         if plain and device is not None and torch.device(device) != self.device:
@@ -680,7 +720,11 @@ class _Reads:
         same_device = device is None or torch.device(device) == self.device
         if plain and same_device and (dtype is None or dtype == self.dtype):
             return self
-        return _on_dense(torch.Tensor.to, (self, *args), kwargs)
+        if plain and same_device and dtype is not None:  # w.to(dtype): lazy
+            made = expr(torch.Tensor.to, (self, dtype), {})
+            if made is not None:
+                return made
+        return on_dense(torch.Tensor.to, (self, *args), kwargs)
 
     def _moved(self, device: torch.device, non_blocking: bool) -> AttentionWeights | None:
         """This handle's recipe on `device` (gradients flow back through the moves; stale
@@ -713,7 +757,7 @@ class _Reads:
         contiguous tensor itself; another memory format takes the dense weights."""
         if memory_format in (torch.contiguous_format, torch.preserve_format):
             return self
-        return _on_dense(torch.Tensor.contiguous, (self,), {"memory_format": memory_format})
+        return on_dense(torch.Tensor.contiguous, (self,), {"memory_format": memory_format})
 
     def cpu(self, memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
         """The handle itself on the CPU, else its recipe moved there (see `to`)."""
@@ -814,7 +858,7 @@ def new_handle(
     return w
 
 
-class AttentionWeights(_Reads, torch.Tensor):
+class AttentionWeights(_Reads, LazyTensor):
     """Lazy view of the attention weights, shape (*lead, L, S) (query heads for GQA): a
     torch.Tensor (a wrapper subclass with the listing's shape, dtype and device, that
     holds no storage) which computes only what is read.
@@ -867,37 +911,13 @@ class AttentionWeights(_Reads, torch.Tensor):
 
     def __repr__(self, *, tensor_contents: object = None) -> str:
         """What torch prints for the dense weights, summarised past torch's print
-        threshold as torch summarises them, computed from the entries shown only (at
-        most 2 x edgeitems per dim): a debugger's view never computes L x S. A stale
-        handle says so instead of raising."""
-        opts = torch._tensor_str.PRINT_OPTS
-        summarise = math.prod(self._inputs.shape) > opts.threshold
+        threshold as torch summarises them, computed from the entries shown only
+        (sdpa.lazy.printed): a debugger's view never computes L x S. A stale handle says
+        so instead of raising."""
         try:
-            shown = self._printed_entries(opts.edgeitems) if summarise else self.full()
+            return printed(self, tuple(self._inputs.shape), self.full)
         except StaleWeightsError as e:
             return f"AttentionWeights(shape={tuple(self._inputs.shape)}, stale: {e})"
-        shown = shown.detach().requires_grad_(self.requires_grad)
-        if not summarise:  # torch prints every value: few of them
-            return repr(shown)
-        # shown's dims past 2 x edgeitems hold one unprinted entry between the edges, so
-        # torch summarises them as it would the whole tensor's
-        # (sci_mode passed on: set_printoptions resets what it is not given)
-        with torch._tensor_str.printoptions(threshold=0, sci_mode=opts.sci_mode):
-            return repr(shown)
-
-    def _printed_entries(self, edge: int) -> torch.Tensor:
-        """The weights at the entries torch prints of a summarised tensor: along each
-        dim of more than 2 x edge entries, the first and last `edge` and one entry
-        between them that no print shows; (*picked sizes), read in O(picked rows x S)."""
-        picks = [
-            list(range(n)) if n <= 2 * edge else [*range(edge), 0, *range(n - edge, n)]
-            for n in self._inputs.shape
-        ]
-        *lead, q_picks, k_picks = picks
-        keys = torch.tensor(k_picks, device=self.device)
-        with torch.no_grad():
-            parts = [self[(*at, q_picks)][..., keys] for at in itertools.product(*lead)]
-        return torch.stack(parts).reshape([len(p) for p in picks])  # (*picked)
 
     # -- views over the leading dims ------------------------------------------------
 
@@ -939,7 +959,7 @@ class AttentionWeights(_Reads, torch.Tensor):
         for t in parts:
             t._check_fresh()
         nd = len(parts[0]._inputs.shape) + (func is torch.stack)
-        d = _dim(dim, nd)
+        d = dim_of(dim, nd)
         if d is None or d >= nd - 2:
             return None  # (over the query or key dims: the dense weights)
         inputs = [t._inputs for t in parts]
@@ -974,30 +994,36 @@ class AttentionWeights(_Reads, torch.Tensor):
             view = self._lead_view(*rows)
             if view is not None:
                 return view
-        return _on_dense(func, (self, *args), kwargs)
+        return on_dense(func, (self, *args), kwargs)
 
     def backward(self, *args: object, **kwargs: object):
-        _refuses_grad("backward")()
+        refuses_grad("backward")()
 
     def retain_grad(self):
-        _refuses_grad("retain_grad")()
+        refuses_grad("retain_grad")()
 
     def register_hook(self, hook: Callable):
-        _refuses_grad("register_hook")()
+        refuses_grad("register_hook")()
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """Every torch op on a handle: a lazy read (READS), the wrapper's own metadata
-        (shape, dims, device), a refusal (in place, out=, storage, gradients of the
-        handle itself), else the op on the dense weights within the default budget."""
+        (shape, dims, device), a transpose of the query and key dims or an elementwise
+        op (a lazy expression, sdpa.lazy), a refusal (in place, out=, storage, gradients
+        of the handle itself), else the op on the dense weights within the default
+        budget."""
         kwargs = {} if kwargs is None else kwargs
         read = READS.get(func)
         if read is not None:
             return read(*args, **kwargs)
         if func in METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        return _on_dense(func, args, kwargs)
+            return metadata(func, args, kwargs)
+        if func in TRANSPOSES and args and isinstance(args[0], AttentionWeights):
+            swaps = transposes(func, args[0], args[1:], kwargs)
+            if swaps is not None:
+                return transpose(args[0]) if swaps else args[0]
+        made = expr(func, args, kwargs)  # an elementwise op: a lazy expression
+        return made if made is not None else on_dense(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -1041,112 +1067,9 @@ HANDLES = (AttentionWeights, GraphWeights)
 
 # -- the table of reads ---------------------------------------------------------------
 
-LAZY_READS = (
-    "Lazy reads work in O(chunk x S) memory: rows and key columns (w[b, h, i], "
-    "w[b, :, i:j], w[..., j]), w.sum(dim=-2), w.mean(dim=-2), w.amax(-1), w.max(-1), "
-    "w.topk(k), w.entropy(), torch.diagonal(w, offset, -2, -1), w.pairs(i, j), w @ x "
-    "and u @ w"
-)
-
-
-def _dim(dim: object, nd: int) -> int | None:
-    """dim (an int, or a sequence of one int) as a dim of an nd-dim tensor, else None."""
-    if isinstance(dim, list | tuple) and len(dim) == 1:
-        dim = dim[0]
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -nd <= dim < nd:
-        return None
-    return dim % nd
-
-
-def _reduction(
-    args: tuple, kwargs: dict, nd: int, name: str = "dim", default: object = None
-) -> tuple[frozenset[int] | None, bool]:
-    """(dims, keepdim) of a reduction called as (dim[, keepdim]) with at most those
-    keywords (and dtype=None): dims normalised (None or () for every dim); dims None
-    for any other call (a dim out of range, another tensor, a dtype)."""
-    if len(args) > 2 or not set(kwargs) <= {name, "keepdim", "dtype"}:
-        return None, False
-    if kwargs.get("dtype") is not None or (len(args) == 2 and "keepdim" in kwargs):
-        return None, False
-    dim = args[0] if args else kwargs.get(name, default)
-    keepdim = args[1] if len(args) == 2 else kwargs.get("keepdim", False)
-    if not isinstance(keepdim, bool) or (args and name in kwargs):
-        return None, False
-    if dim is None or (isinstance(dim, list | tuple) and not dim):
-        return frozenset(range(nd)), keepdim
-    dims = [_dim(d, nd) for d in (dim if isinstance(dim, list | tuple) else [dim])]
-    if None in dims or len(set(dims)) != len(dims):
-        return None, False
-    return frozenset(dims), keepdim
-
-
-def _name(func: object) -> str:
-    """A torch function's name as a user wrote it: `Tensor.mul_`, `torch.stack`, `data`
-    for an attribute."""
-    name = getattr(func, "__name__", None) or repr(func)
-    if name in ("__get__", "__set__", "__delete__"):  # an attribute of the tensor
-        return getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
-def _holds_handle(x: object) -> bool:
-    return isinstance(x, _Reads) or (
-        isinstance(x, list | tuple) and any(isinstance(y, _Reads) for y in x)
-    )
-
-
-_STORAGE = frozenset({"data_ptr", "untyped_storage", "storage", "_typed_storage", "is_shared"})
-_IN_PLACE_OPERATORS = "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift"
-_WRITES = frozenset({"__setitem__", "__set__", "__delete__"}) | {
-    f"__i{op}__" for op in _IN_PLACE_OPERATORS.split(" ")
-}
-
-
-def _on_dense(func: Callable, args: tuple, kwargs: dict) -> object:
-    """func on the dense weights of every handle among its arguments (each within the
-    default budget), as the listing's tensor would answer; refused by name where it
-    would write into a handle or read its storage."""
-    name = _name(func)
-    raw = getattr(func, "__name__", "")
-    target = args[0] if args else None
-    writes = raw in _WRITES or (raw.endswith("_") and not raw.startswith("__"))
-    if isinstance(target, _Reads) and (writes or raw in _STORAGE):
-        what = "writes into" if writes else "reads the storage of"
-        raise NotSupportedError(
-            f"`{name}` {what} AttentionWeights, a lazy tensor with no storage of its own "
-            f"(its values are computed from q, k and the LSE as they are read); take a "
-            f"dense copy of your own first: p = w.full() (or w.clone()), then p.{name}"
-        )
-    if _holds_handle(kwargs.get("out")):
-        raise NotSupportedError(
-            f"`{name}` with out= an AttentionWeights: the handle has no storage to write "
-            f"into; pass out= a tensor of your own (e.g. w.full())"
-        )
-
-    def dense(x: object) -> object:
-        if isinstance(x, _Reads):
-            return x._dense(f"`{name}`")
-        if isinstance(x, list | tuple) and _holds_handle(x):
-            return type(x)(dense(y) for y in x)
-        return x
-
-    return func(*(dense(a) for a in args), **{k: dense(v) for k, v in kwargs.items()})
-
 
 def _matmul(a: object, b: object) -> torch.Tensor:
     return a.__matmul__(b) if isinstance(a, _Reads) else b.__rmatmul__(a)
-
-
-def _refuses_grad(name: str) -> Callable:
-    def refuse(*args: object, **kwargs: object):
-        raise NotSupportedError(
-            f"w.{name}: gradients with respect to the weights themselves are L x S by "
-            f"nature, and the lazy handle is not an autograd node (its reads carry "
-            f"gradients to q, k, the mask and the sinks); take p = w.full(), a dense "
-            f"tensor in the graph, and call p.{name}"
-        )
-
-    return refuse
 
 
 CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
@@ -1187,13 +1110,13 @@ def _along(w: AttentionWeights, dim: int, item: int | slice) -> torch.Tensor:
 def _select(w: AttentionWeights, dim: int, index: int) -> torch.Tensor:
     """w.select(dim, index) / torch.select: w[..., index, ...] (a view or a read)."""
     _meta_result(w, torch.Tensor.select, (dim, index), {})  # torch's errors
-    return _along(w, _dim(dim, len(w._inputs.shape)), operator.index(index))
+    return _along(w, dim_of(dim, len(w._inputs.shape)), operator.index(index))
 
 
 def _narrow(w: AttentionWeights, dim: int, start: int, length: int) -> torch.Tensor:
     """w.narrow(dim, start, length): the slice start:start + length along dim."""
     _meta_result(w, torch.Tensor.narrow, (dim, start, length), {})  # torch's errors
-    d = _dim(dim, len(w._inputs.shape))
+    d = dim_of(dim, len(w._inputs.shape))
     first = operator.index(start) % max(w._inputs.shape[d], 1) if start else 0
     return _along(w, d, slice(first, first + operator.index(length)))
 
@@ -1205,10 +1128,10 @@ def _pieces(func: Callable) -> Callable:
     def pieces(w: AttentionWeights, *args: object, **kwargs: object) -> tuple:
         parts = _meta_result(w, func, args, kwargs)  # torch's errors and piece sizes
         if func in _UNBIND:  # unbind(dim=0)
-            d = _dim(args[0] if args else kwargs.get("dim", 0), len(w._inputs.shape))
+            d = dim_of(args[0] if args else kwargs.get("dim", 0), len(w._inputs.shape))
             return tuple(_along(w, d, i) for i in range(len(parts)))
         # split(split_size_or_sections, dim=0), chunk(chunks, dim=0)
-        d = _dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), len(w._inputs.shape))
+        d = dim_of(args[1] if len(args) > 1 else kwargs.get("dim", 0), len(w._inputs.shape))
         out, start = [], 0
         for part in parts:
             n = part.shape[d]
@@ -1222,7 +1145,7 @@ def _pieces(func: Callable) -> Callable:
 def _reshape_read(func: Callable) -> Callable:
     def reshape(w: AttentionWeights, *args: object, **kwargs: object) -> torch.Tensor:
         if any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
-            return _on_dense(func, (w, *args), kwargs)  # (view(dtype): a reinterpretation)
+            return on_dense(func, (w, *args), kwargs)  # (view(dtype): a reinterpretation)
         return w._reshaped(func, args, kwargs)
 
     return reshape
@@ -1237,7 +1160,7 @@ def _join_read(func: Callable) -> Callable:
             view = AttentionWeights._joined(func, tensors, dim)
             if view is not None:
                 return view
-        return _on_dense(func, (tensors, dim), {} if out is None else {"out": out})
+        return on_dense(func, (tensors, dim), {} if out is None else {"out": out})
 
     return join
 
@@ -1249,11 +1172,11 @@ _RESHAPES = (
     T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.unflatten, torch.unflatten,
     T.squeeze, torch.squeeze, T.unsqueeze, torch.unsqueeze, T.expand,
 )  # fmt: skip
-GRAD_OF_HANDLE = ("retain_grad", "register_hook", "register_post_accumulate_grad_hook", "backward")
 READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.sum, T.sum), AttentionWeights.sum),
     **dict.fromkeys((torch.mean, T.mean), AttentionWeights.mean),
     **dict.fromkeys((torch.amax, T.amax), AttentionWeights.amax),
+    **dict.fromkeys((torch.amin, T.amin), AttentionWeights.amin),
     **dict.fromkeys((torch.max, T.max), AttentionWeights.max),
     **dict.fromkeys((torch.argmax, T.argmax), AttentionWeights.argmax),
     **dict.fromkeys((torch.topk, T.topk), AttentionWeights.topk),
@@ -1275,27 +1198,10 @@ READS: dict[Callable, Callable] = {
     T.contiguous: AttentionWeights.contiguous,
     **{cast: _cast(dtype) for cast, dtype in CASTS.items()},
     T.__format__: lambda w, spec: object.__format__(w, spec),  # (its repr: entries shown)
-    **{getattr(T, name): _refuses_grad(name) for name in GRAD_OF_HANDLE},
+    **{getattr(T, name): refuses_grad(name) for name in GRAD_OF_LAZY},
 }
 """Each torch function a handle answers lazily (or refuses): the rest are METADATA or
 answered on the dense weights (_on_dense)."""
-
-METADATA = frozenset(
-    {
-        T.size, T.dim, T.ndimension, T.numel, T.nelement, T.__len__, T.__hash__,
-        T.is_floating_point, T.is_complex, T.element_size, T.get_device, T.stride,
-        T.is_contiguous,
-    }
-    | {
-        getattr(T, name).__get__
-        for name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_cpu",
-                     "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn",
-                     "itemsize", "nbytes", "grad", "grad_fn", "is_leaf")
-    }
-)  # fmt: skip
-"""What the wrapper answers from its own metadata (the dense tensor's shape, strides,
-dtype and device): never a value."""
-
 
 # -- providers -----------------------------------------------------------------------
 
@@ -1478,9 +1384,9 @@ class _Selection(NamedTuple):
         return cls(tuple(lead_items), q_item, k_item)
 
     def apply(self, p: torch.Tensor) -> torch.Tensor:
-        """The selection of dense weights (*lead, L, S), as torch indexes them (rows
-        first, then keys: two position lists select their outer product)."""
-        return p[(*self.lead_items, self.q_item)][..., self.k_item]
+        """The selection of dense weights (*lead, L, S), as torch indexes them (two
+        position lists pair up)."""
+        return p[(*self.lead_items, self.q_item, self.k_item)]
 
     def read(self, inputs: Inputs, lse: torch.Tensor, needs: grads.Needs | None) -> torch.Tensor:
         """The selected weights, computed: only these rows and keys (their backward,
