@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch._subclasses import FakeTensorMode
 
 import sdpa
-from sdpa import masks
+from sdpa import listing, masks
 from sdpa import settings as sdpa_settings
 from sdpa.backends import BACKENDS, aten, select, select_fast
 from sdpa.inputs import fast_normalize, normalize
@@ -303,3 +303,53 @@ def test_attention_and_the_handle_compile_without_a_graph_break(gen):
             explained = torch._dynamo.explain(step)(q, k, v, mask)
             reasons = [str(b.reason) for b in explained.break_reasons]
             assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons
+
+
+def test_a_call_whose_weights_no_one_reads_makes_no_handle(gen, monkeypatch):
+    """The lean entry's result makes the weights' handle on first access: an output-only
+    call makes none (a decoding step's microseconds); `.weights`, `r[1]`, unpacking and
+    iteration make the same one, once."""
+    import sdpa.functional as functional
+
+    made = []
+    real = functional.new_handle
+    monkeypatch.setattr(functional, "new_handle", lambda *a: made.append(1) or real(*a))
+    q, k, v = (torch.randn(1, 4, 1, 32, generator=gen) for _ in range(3))
+    out = sdpa.attention(q, k, v).output
+    assert made == [] and torch.equal(out, sdpa.attention(q, k, v)[0])
+    r = sdpa.attention(q, k, v)
+    o, w = r
+    assert made == [1] and isinstance(w, sdpa.AttentionWeights)
+    assert r.weights is w and r[1] is w and r[-1] is w and list(r) == [o, w] and r[0] is o
+    assert made == [1] and isinstance(r, sdpa.AttentionResult) and len(r) == 2
+    torch.testing.assert_close(w.full(), listing.attention(q, k, v)[1])
+
+
+def test_the_lazy_result_answers_as_the_named_tuple(gen):
+    """repr, pickle, deepcopy, _asdict, _replace, slicing and torch's pytree see the
+    weights' handle, as with the NamedTuple the result stands for."""
+    import copy
+    import pickle
+
+    import torch.utils._pytree as pytree
+
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=gen) for _ in range(3))
+    r = sdpa.attention(q, k, v)
+    plain = sdpa.AttentionResult(r.output, r.weights)
+    assert repr(r) == repr(plain) and r == plain
+    for twin in (pickle.loads(pickle.dumps(r)), copy.deepcopy(r)):
+        assert type(twin) is sdpa.AttentionResult
+        torch.testing.assert_close(twin.weights.full(), r.weights.full())
+    assert r._asdict()["weights"] is r.weights and r[:2] == (r.output, r.weights)
+    assert r._replace(output=q).weights is r.weights
+    leaves, spec = pytree.tree_flatten(r)
+    assert leaves[1] is r.weights and pytree.tree_unflatten(leaves, spec) == plain
+
+
+def test_a_change_in_place_before_the_first_access_still_makes_the_weights_stale(gen):
+    """The handle made on first access keeps the version counters of the call."""
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=gen) for _ in range(3))
+    r = sdpa.attention(q, k, v)
+    k.mul_(2)
+    with pytest.raises(sdpa.StaleWeightsError, match="key changed in place"):
+        r.weights[0, 0, 0]

@@ -14,7 +14,7 @@ from sdpa.backends import PRIORITY, Backend, run, select, select_fast
 from sdpa.errors import SdpaValueError
 from sdpa.inputs import Inputs, check_flag, fast_normalize, is_causal_bias, no_autocast, normalize
 from sdpa.nested import nested_attention
-from sdpa.weights import AttentionWeights, GraphWeights, new_handle
+from sdpa.weights import AttentionWeights, GraphWeights, new_handle, versions_now
 from sdpa.weights import handle as weights_of
 
 
@@ -25,7 +25,61 @@ class AttentionResult(NamedTuple):
     weights: AttentionWeights | GraphWeights  # lazy (..., L, S); GraphWeights in torch.compile
 
 
-_result = tuple.__new__  # AttentionResult(out, w) without the NamedTuple's keyword handling
+class _Pending:
+    """The weights' handle of a call, made when first asked for (new_handle), with the
+    version counters of q, k and the mask as they were at the call (so a change in
+    place before that first access still makes the handle stale)."""
+
+    __slots__ = ("args", "made")
+
+    def __init__(self, args: tuple):
+        self.args, self.made = args, None
+
+    def handle(self) -> AttentionWeights:
+        if self.made is None:
+            self.made = new_handle(AttentionWeights, *self.args)
+        return self.made
+
+
+class _LazyResult(AttentionResult):
+    """An AttentionResult whose weights' handle is made on first access (`.weights`,
+    `r[1]`, unpacking, iteration): a call whose weights no one reads (a decoding step's
+    `attention(...).output`) makes no handle, a few microseconds of a ~15 us call. It
+    reads, unpacks, prints, pickles and copies as the AttentionResult it stands for."""
+
+    __slots__ = ()
+
+    @property
+    def weights(self) -> AttentionWeights:
+        w = tuple.__getitem__(self, 1)
+        return w.handle() if w.__class__ is _Pending else w
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        if index in (1, -1):
+            return self.weights
+        return tuple.__getitem__(self, index)
+
+    def __iter__(self):
+        return iter((tuple.__getitem__(self, 0), self.weights))
+
+    def __repr__(self) -> str:
+        return f"AttentionResult(output={self.output!r}, weights={self.weights!r})"
+
+    def __reduce__(self):
+        return AttentionResult, (self.output, self.weights)
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == other
+
+    def __ne__(self, other: object) -> bool:
+        return tuple(self) != other
+
+    __hash__ = AttentionResult.__hash__
+
+
+_result = tuple.__new__  # _LazyResult(out, pending) without the NamedTuple's keyword handling
 
 
 _FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("sdpa_frozen", default=False)
@@ -159,8 +213,8 @@ def attention(
         if inputs is not None:
             impl = select_fast(inputs)
             out, lse, p = impl.run(inputs)  # (the lane is never taken while compiling)
-            w = new_handle(AttentionWeights, inputs, lse, p, impl, False)
-            return _result(AttentionResult, (out, w))
+            pending = _Pending((inputs, lse, p, impl, False, versions_now(inputs)))
+            return _result(_LazyResult, (out, pending))
     inputs, out, lse, p, impl = _compute(
         query, key, value, mask, causal, scale, dropout_p, backend, lane=False
     )  # (the lane above missed, or is not for these calls: not again)

@@ -36,7 +36,7 @@ from sdpa.backends import BACKENDS, small
 from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
-from sdpa.inputs import Inputs, check_flag, compute_dtype, empty, no_autocast
+from sdpa.inputs import COMPUTE_DTYPES, Inputs, check_flag, empty, no_autocast
 from sdpa.lazy import (
     GRAD_OF_LAZY,
     LAZY_READS,
@@ -79,10 +79,10 @@ def _versions(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
     traced tensors have no counter to read)."""
     if torch.compiler.is_compiling():
         return None, None, None
-    return _versions_now(inputs)
+    return versions_now(inputs)
 
 
-def _versions_now(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
+def versions_now(inputs: Inputs) -> tuple[int | None, int | None, int | None]:
     """_versions outside a traced region (the caller knows it is not tracing)."""
     q, k, mask = inputs.query, inputs.key, inputs.mask
     if mask is None or isinstance(mask, torch.Tensor):
@@ -843,7 +843,13 @@ _SLOTS = ("_inputs", "_lse", "_probs", "_versions", "_backend", "_frozen", "_sou
 
 
 def new_handle(
-    cls: type, inputs: Inputs, lse: torch.Tensor | None, probs, backend, frozen: bool
+    cls: type,
+    inputs: Inputs,
+    lse: torch.Tensor | None,
+    probs,
+    backend,
+    frozen: bool,
+    versions: tuple | None = None,
 ) -> AttentionWeights:
     """A handle of class cls, in O(1) with nothing allocated: a tensor of the weights'
     shape, dtype and device that holds the recipe (AttentionWeights(...) and `handle`
@@ -852,9 +858,10 @@ def new_handle(
     q = inputs.query
     # (size, strides, storage_offset, memory_format, dtype, layout, device) by position:
     # torch's argument parser takes them ~0.5 us faster than as keywords
-    dtype = compute_dtype(q.dtype)
+    dtype = COMPUTE_DTYPES.get(q.dtype, q.dtype)  # (compute_dtype's table, without a call)
     w = _make_wrapper(cls, inputs.shape, None, None, None, dtype, _STRIDED, q.device)
-    _Reads.__init__(w, inputs, lse, probs, backend, frozen, _versions_now(inputs))
+    versions = versions_now(inputs) if versions is None else versions  # (as of the call)
+    _Reads.__init__(w, inputs, lse, probs, backend, frozen, versions)
     return w
 
 
