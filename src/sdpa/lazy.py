@@ -793,7 +793,7 @@ def _reduce(name: str) -> Callable:
             how = LeadReduction(name_, tuple(sorted(dims)), keepdim, kwargs.get("dtype"))
             return reduce_lead(x, how)  # over leading dims alone: lazy
         out_dtype = meta_out.dtype
-        return _by_rows(x, name_, dims, keepdim, kwargs.get("dtype"), out_dtype, shape)
+        return _by_rows(x, name_, dims, keepdim, out_dtype, shape)
 
     return reduce
 
@@ -880,17 +880,19 @@ def _result_fits(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
     )  # fmt: skip
 
 
-def _by_rows(x, name, dims, keepdim, dtype, out_dtype, shape) -> torch.Tensor:
+def _by_rows(x, name, dims, keepdim, out_dtype, shape) -> torch.Tensor:
     """A sum / mean / amax / amin / any / all over dims, over chunks of query rows: over
     the query dim the chunks' partial results combine; else they are concatenated."""
     nd = len(shape)
     row = nd - 2
     kept = tuple(1 if d in dims else n for d, n in enumerate(shape))
     _result_fits(kept, out_dtype, f"`{name}`")
+    # sums of 16-bit values add up in float32 and round once at the end, as torch's do
+    acc = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
     if name in _SUMS:
 
         def op(t):
-            return t.sum(tuple(sorted(dims)), keepdim=True, dtype=dtype or out_dtype)
+            return t.sum(tuple(sorted(dims)), keepdim=True, dtype=acc)
     else:
         method = getattr(T, name)
 
@@ -906,6 +908,7 @@ def _by_rows(x, name, dims, keepdim, dtype, out_dtype, shape) -> torch.Tensor:
     out = take.out if row in dims else take.result()
     if name == "mean":
         out = out / math.prod(shape[d] for d in dims)
+    out = out.to(out_dtype) if name in _SUMS else out
     return out if keepdim else out.squeeze(tuple(sorted(dims)))
 
 

@@ -64,6 +64,7 @@ from sdpa.errors import (
 )
 from sdpa.functional import attention
 from sdpa.inputs import compute_dtype
+from sdpa.lazy import LazyTensor
 from sdpa.weights import CASTS, AttentionWeights
 
 F = torch.nn.functional
@@ -2180,5 +2181,5 @@ def weights_pattern(w: AttentionWeights, budget: int | None = DEFAULT_MAX_BYTES)
 
 
 def dense_of(x: object, max_bytes: int | None = DEFAULT_MAX_BYTES) -> object:
-    """x as a plain tensor if deferred (within max_bytes), else x."""
-    return x.full(max_bytes) if isinstance(x, Deferred) else x
+    """x as a plain tensor if deferred or lazy (within max_bytes), else x."""
+    return x.full(max_bytes) if isinstance(x, Deferred | LazyTensor) else x
