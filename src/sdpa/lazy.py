@@ -72,6 +72,19 @@ class LazyTensor(Lazy, torch.Tensor):
 
     __slots__ = ()
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """A safety net: every op is answered above autograd (__torch_function__), so one
+        that reaches the (absent) storage refuses by name: torch.func's transforms (vmap,
+        grad, jacrev), ops torch sends straight to its kernels (set_), code with torch
+        functions disabled."""
+        raise NotSupportedError(
+            f"{func} reached {cls.__name__} below torch's function layer, where the lazy "
+            f"tensor has no storage to compute on (torch.func transforms such as vmap and "
+            f"grad, set_, and code with torch functions disabled get there); take "
+            f"p = w.full(), a dense tensor of your own, and apply it to p"
+        )
+
 
 # -- what every lazy tensor shares ---------------------------------------------------
 
@@ -436,14 +449,6 @@ class LazyExpr(LazyTensor):
             return read(*args, **kwargs)
         made = expr(func, args, kwargs)
         return made if made is not None else on_dense(func, args, kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise NotSupportedError(
-            f"{func} reached a lazy expression of the weights below torch's function "
-            f"layer, where it has no storage to compute on (torch.func transforms, set_, "
-            f"code with torch functions disabled); take p = x.full() and apply it to p"
-        )
 
 
 # -- making expressions --------------------------------------------------------------

@@ -1032,19 +1032,6 @@ class AttentionWeights(_Reads, LazyTensor):
         made = expr(func, args, kwargs)  # an elementwise op: a lazy expression
         return made if made is not None else on_dense(func, args, kwargs)
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        """A safety net: every op is answered above autograd (__torch_function__), so one
-        that reaches the handle's (absent) storage refuses by name: torch.func's
-        transforms (vmap, grad, jacrev), ops torch sends straight to its kernels (set_),
-        code with torch functions disabled."""
-        raise NotSupportedError(
-            f"{func} reached AttentionWeights below torch's function layer, where the "
-            f"handle has no storage to compute on (torch.func transforms such as vmap and "
-            f"grad, set_, and code with torch functions disabled get there); take "
-            f"p = w.full(), a dense tensor of your own, and apply it to p"
-        )
-
 
 class GraphWeights(_Reads):
     """The handle made inside a torch.compile region: the same recipe and reads as
