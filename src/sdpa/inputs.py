@@ -35,16 +35,10 @@ from sdpa.errors import SdpaTypeError, SdpaValueError
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-COMPUTE_DTYPES = dict.fromkeys(HALF_DTYPES, torch.float32)
-"""The dtype softmax statistics are computed in, for the input dtypes that differ: float32
-for 16-bit inputs (any other: the input dtype). compute_dtype reads it."""
-
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype softmax statistics are computed in for inputs of `dtype`: float32 for
-    16-bit inputs, else the input dtype. The one definition (COMPUTE_DTYPES): every
-    backend calls it."""
-    return COMPUTE_DTYPES.get(dtype, dtype)
+    16-bit inputs, else the input dtype. The one definition: every backend calls it."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
 # Sizes may be symbolic under torch.export / torch.compile, and data dependent (an

@@ -36,7 +36,7 @@ from sdpa.backends import BACKENDS, small
 from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
-from sdpa.inputs import COMPUTE_DTYPES, Inputs, check_flag, empty, no_autocast
+from sdpa.inputs import Inputs, check_flag, compute_dtype, empty, no_autocast
 from sdpa.lazy import (
     GRAD_OF_LAZY,
     LAZY_READS,
@@ -858,7 +858,7 @@ def new_handle(
     q = inputs.query
     # (size, strides, storage_offset, memory_format, dtype, layout, device) by position:
     # torch's argument parser takes them ~0.5 us faster than as keywords
-    dtype = COMPUTE_DTYPES.get(q.dtype, q.dtype)  # (compute_dtype's table, without a call)
+    dtype = compute_dtype(q.dtype)
     w = _make_wrapper(cls, inputs.shape, None, None, None, dtype, _STRIDED, q.device)
     versions = versions_now(inputs) if versions is None else versions  # (as of the call)
     _Reads.__init__(w, inputs, lse, probs, backend, frozen, versions)
