@@ -325,6 +325,30 @@ def test_a_call_whose_weights_no_one_reads_makes_no_handle(gen, monkeypatch):
     torch.testing.assert_close(w.full(), listing.attention(q, k, v)[1])
 
 
+@pytest.mark.parametrize("module", ["mha", "spatial"])
+def test_a_modules_output_alone_makes_no_handle(gen, monkeypatch, module):
+    """The modules hand the call's lazy result on with their projected output
+    (functional.with_output): reading only the output makes no handle; the weights read
+    afterwards are the call's."""
+    import sdpa.functional as functional
+
+    made = []
+    real = functional.new_handle
+    monkeypatch.setattr(functional, "new_handle", lambda *a: made.append(1) or real(*a))
+    if module == "mha":
+        m, x = sdpa.MultiHeadAttention(32, 4).eval(), torch.randn(2, 5, 32, generator=gen)
+    else:
+        m, x = sdpa.SpatialSelfAttention(32, 4).eval(), torch.randn(1, 32, 3, 3, generator=gen)
+    with torch.no_grad():
+        r = m(x)
+        out = r.output
+        assert made == [] and isinstance(r, sdpa.AttentionResult)
+        o, w = r
+        assert made == [1] and o is out and isinstance(w, sdpa.AttentionWeights)
+        assert w.shape == (x.shape[0], 4, *(w.shape[-2:]))
+        torch.testing.assert_close(w.full().sum(-1), torch.ones(w.shape[:-1]))
+
+
 def test_the_lazy_result_answers_as_the_named_tuple(gen):
     """repr, pickle, deepcopy, _asdict, _replace, slicing and torch's pytree see the
     weights' handle, as with the NamedTuple the result stands for."""

@@ -465,3 +465,33 @@ def test_max_logits_refuses_gradients(gen):
     s = (q @ q.mT) / math.sqrt(8)
     torch.testing.assert_close(top.row, s.amax(-1).detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(top.head, s.amax(-1).amax(-1).detach(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "float"])
+def test_kept_weights_give_each_read_its_own_graph(gen, mask_kind):
+    """The small backend keeps its weights; a read of them under grad hands them out as
+    a graph of their own (no product again in the forward): two reads, two backwards,
+    each equal to the oracle's gradient; the output's backward after them; and a second
+    order through the read (create_graph) as torch's own product gives."""
+    q, k, v = (randn(gen, 1, 2, 6, 8).requires_grad_() for _ in range(3))
+    mask = (0.5 * randn(gen, 1, 1, 6, 6)).requires_grad_() if mask_kind == "float" else None
+    with settings.override(**KEPT):
+        out, w = sdpa.attention(q, k, v, mask)
+    assert w.served_by.startswith("small")  # (the weights kept: the path under test)
+    ins = [t for t in (q, k, mask) if t is not None]
+    ref = [t.detach().double().requires_grad_() for t in ins]
+
+    def p_ref():
+        return oracle(ref[0], ref[1], v.detach().double(), None if mask is None else ref[2])[1]
+
+    want = torch.autograd.grad((p_ref() ** 2).sum(), ref)
+    for _ in range(2):
+        got = torch.autograd.grad((w.full() ** 2).sum(), ins)
+        for g, r in zip(got, want, strict=True):
+            torch.testing.assert_close(g.double(), r, atol=GRAD_ATOL, rtol=1e-4)
+    out.sum().backward()  # the output's graph is its own too
+    (dq,) = torch.autograd.grad((w.full() ** 2).sum(), q, create_graph=True)
+    (dq_ref,) = torch.autograd.grad((p_ref() ** 2).sum(), ref[0], create_graph=True)
+    (ddq,) = torch.autograd.grad(dq.square().sum(), q)
+    (ddq_ref,) = torch.autograd.grad(dq_ref.square().sum(), ref[0])
+    torch.testing.assert_close(ddq.double(), ddq_ref, atol=1e-4, rtol=1e-3)

@@ -182,3 +182,35 @@ def test_packed_projection_follows_parameters_changed_in_place_or_replaced(gen):
             new.add_(0.0)
     ours.v_proj.bias = new  # replaced
     check()
+
+
+@pytest.mark.parametrize("three_gemms_tokens", [0, 10**6])  # one packed GEMM, three GEMMs
+def test_both_projections_under_autograd_match_torch_with_gradients(
+    gen, monkeypatch, three_gemms_tokens
+):
+    """Under autograd, self-attention projects with three GEMMs up to THREE_GEMMS_TOKENS
+    tokens and with a fresh packed one past it: the same outputs and parameter
+    gradients as torch's packed in_proj either way."""
+    from sdpa.nn import multihead
+
+    monkeypatch.setattr(multihead, "THREE_GEMMS_TOKENS", three_gemms_tokens)
+    ref, ours = torch_pair(gen)
+    x = torch.randn(2, 9, 64, generator=gen)
+    ref_out, _ = ref(x, x, x)
+    out = ours(x).output
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+    up = torch.randn(out.shape, generator=gen)
+    ref_out.backward(up)
+    out.backward(up)
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        proj = getattr(ours, name)
+        rows = slice(64 * i, 64 * (i + 1))
+        torch.testing.assert_close(
+            proj.weight.grad, ref.in_proj_weight.grad[rows], atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            proj.bias.grad, ref.in_proj_bias.grad[rows], atol=1e-5, rtol=1e-5
+        )
+    torch.testing.assert_close(
+        ours.out_proj.weight.grad, ref.out_proj.weight.grad, atol=1e-5, rtol=1e-5
+    )

@@ -82,6 +82,12 @@ class _LazyResult(AttentionResult):
 _result = tuple.__new__  # _LazyResult(out, pending) without the NamedTuple's keyword handling
 
 
+def with_output(result: AttentionResult, output: torch.Tensor) -> AttentionResult:
+    """result with another output (a module's projection of it) and its weights as they
+    are: a handle not yet made stays unmade (unpacking the result would make it)."""
+    return _result(result.__class__, (output, tuple.__getitem__(result, 1)))
+
+
 _FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("sdpa_frozen", default=False)
 # How many sdpa.frozen() blocks are open, in any thread: a plain int read on every call
 # (torch.compile guards on it); only when it is not 0 is the ContextVar read.

@@ -252,6 +252,36 @@ class _Watch(torch.autograd.Function):
         return (g, *(None,) * ctx.n)
 
 
+class _Kept(torch.autograd.Function):
+    """Weights p that a backend kept, as a graph of their own: the forward hands out p
+    (no product again); the backward computes p afresh with autograd (`again()`, from
+    q, k, the mask and the sinks as they were at the read: Versions) and differentiates
+    it. Each read so has its own backward, as a read of weights computed afresh has, at
+    one product in the backward instead of one in the forward (a checkpoint)."""
+
+    @staticmethod
+    def forward(ctx, p, again, *tensors):
+        ctx.again, ctx.tensors, ctx.versions = again, tensors, Versions.of(tensors)
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.versions.check()
+        higher = torch.is_grad_enabled()  # (create_graph=True: the recomputation's graph)
+        wanted = [t for t in ctx.tensors if t is not None and t.requires_grad]
+        with torch.enable_grad():
+            p = ctx.again()
+        found = iter(torch.autograd.grad(p, wanted, g, allow_unused=True, create_graph=higher))
+        dts = [next(found) if t is not None and t.requires_grad else None for t in ctx.tensors]
+        return (None, None, *dts)
+
+
+def kept(p: torch.Tensor, again: Callable[[], torch.Tensor], inputs: Inputs) -> torch.Tensor:
+    """p (the weights a backend kept, values only) carrying the gradient of `again()`
+    (the same weights computed with autograd) to q, k, a float mask and the sinks."""
+    return _Kept.apply(p.detach(), again, *watched(inputs))
+
+
 def watch(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> torch.Tensor:
     """x, whose backward raises torch's "modified by an inplace operation" if any of
     `tensors` changed in place after this call (those autograd does not save itself)."""

@@ -152,36 +152,42 @@ class _Reads(Lazy):
 
     def _held(self, grad: bool = False) -> torch.Tensor | None:
         """The whole weights (B, Hq, L, S) if the backend kept them, else computed in
-        one product and kept where small (small.one_product), else None. With grad:
-        computed afresh with autograd, in one product, for this read alone, where the
-        backend kept them or they are small (torch then differentiates the read); never
-        kept, so no two reads, nor a read and the output, share a graph (each may have
-        its own backward), and torch's own saved-tensor check sees q and k as they were
-        at the read."""
+        one product and kept where small (small.one_product), else None. With grad, for
+        this read alone (torch then differentiates the read): kept weights as a graph of
+        their own (grads.kept: the product again in the backward), or weights computed
+        afresh with autograd where small; so no two reads, nor a read and the output,
+        share a graph (each may have its own backward), and the backward sees q and k as
+        they were at the read."""
         p = self._probs
         if grad:
             if p is None and not small.one_product(self._inputs):
                 return None
-            with torch.enable_grad(), no_autocast(self.device.type):
-                p = small.probabilities(self._inputs)
+            if p is not None:  # kept: the read's own graph, the product again in backward
+                return grads.kept(p, self._probabilities, self._inputs)
+            with torch.enable_grad():
+                p = self._probabilities()
             mask = self._inputs.tensor_mask  # (autograd saves q and k, not an added mask)
             return p if mask is None else grads.watch(p, [mask])
         if p is not None:
             return p
         if small.one_product(self._inputs):
-            with torch.no_grad(), no_autocast(self.device.type):
-                p = small.probabilities(self._inputs)
+            with torch.no_grad():
+                p = self._probabilities()
             self._probs = p
             return p
         return None
 
+    def _probabilities(self) -> torch.Tensor:
+        """The whole weights (B, Hq, L, S) in one product, with autograd where grad mode is
+        on (small.probabilities, outside autocast: the inputs carry its dtype)."""
+        with no_autocast(self.device.type):
+            return small.probabilities(self._inputs)
+
     def _copies_held(self, p: torch.Tensor) -> bool:
         """Whether a copy of the kept weights p answers `full()` as the providers would,
-        in O(1): within the default budget, and inside the autograd graph wherever a
-        read must carry gradients (not frozen weights, which refuse under grad)."""
-        if self._frozen or p.numel() * p.element_size() > DEFAULT_MAX_BYTES:
-            return False
-        return not torch.is_grad_enabled() or grads.needs(self._inputs) is None
+        in O(1): within the default budget, and not frozen weights (they refuse under
+        grad)."""
+        return not self._frozen and p.numel() * p.element_size() <= DEFAULT_MAX_BYTES
 
     def _needs(self, inputs: Inputs | None = None) -> grads.Needs | None:
         """Which inputs a read must carry gradients to (None: no read needs any). The
@@ -322,6 +328,8 @@ class _Reads(Lazy):
         p = self._probs
         if p is not None and max_bytes is DEFAULT_MAX_BYTES and self._copies_held(p):
             self._check_fresh()  # the kept weights (small: within the default budget)
+            if torch.is_grad_enabled() and grads.needs(self._inputs) is not None:
+                p = grads.kept(p, self._probabilities, self._inputs)  # (the read's own graph)
             return self._lead(p.clone())
         max_bytes = check_max_bytes(max_bytes)
         self._check_fresh()

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from sdpa.errors import SdpaValueError
-from sdpa.functional import AttentionResult, attention
+from sdpa.functional import AttentionResult, attention, with_output
 from sdpa.weights import AttentionWeights
 
 
@@ -52,9 +52,9 @@ class SpatialSelfAttention(nn.Module):
         heads, D = self.num_heads, C // self.num_heads
         h = self.norm(x).flatten(2).transpose(1, 2)  # (B, H*W, C)
         q, k, v = self.qkv(h).view(B, H * W, 3, heads, D).permute(2, 0, 3, 1, 4)  # (B,h,HW,D)
-        out, weights = attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
-        out = self.proj_out(out.transpose(1, 2).reshape(B, H * W, C))  # (B, H*W, C)
-        return AttentionResult(x + out.transpose(1, 2).reshape(B, C, H, W), weights)
+        r = attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        out = self.proj_out(r.output.transpose(1, 2).reshape(B, H * W, C))  # (B, H*W, C)
+        return with_output(r, x + out.transpose(1, 2).reshape(B, C, H, W))
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, num_heads={self.num_heads}, dropout={self.dropout}"
