@@ -63,6 +63,11 @@ def empty(*sizes: int | torch.SymInt) -> bool:
     return False
 
 
+def no_work(Hq: int, L: int, S: int) -> bool:
+    """Inputs.no_work from the sizes at hand (heads, queries, keys)."""
+    return empty(Hq, L, S)
+
+
 class Inputs(NamedTuple):
     """Validated attention inputs in (B, H, L, D) layout (see the module docstring)."""
 
@@ -126,7 +131,7 @@ class Inputs(NamedTuple):
         if nq.__class__ is int and nk.__class__ is int and nq and nk:
             return False  # (every size of q and k > 0: the common case, without a shape)
         _, H, L, _ = q.shape
-        return empty(H, L, k.shape[2])
+        return no_work(H, L, k.shape[2])
 
 
 def normalize(

@@ -378,6 +378,8 @@ def causal_flag(
     """How a kernel with a top-left causal flag takes `mask`: (what is left of the mask,
     True) where exactly top-left causality is ANDed in (TOP_LEFT, or a tensor with it),
     else (mask, False). The one place a causal flag is derived from a mask."""
+    if mask.__class__ is torch.Tensor:  # (first: a plain tensor has no causal part)
+        return mask, False
     tensor, structured = split(mask)
     if structured is not None and structured.is_top_left_causal(L, S):
         return tensor, True

@@ -43,8 +43,10 @@ def whole(mask: torch.Tensor | None, L: int, on_cpu: bool = True) -> bool:
     whose scan would cost more than the keys it could skip; a mask tensor on a GPU (its
     plan would be read from device memory: a host sync); or a mask tensor while
     torch.compile traces (a plan read from data cannot live in a graph, and L is not
-    guarded on)."""
-    return mask is None or not on_cpu or torch.compiler.is_compiling() or L <= BLOCK_Q
+    guarded on: a traced L is tested only as a plain int, which needs no guard)."""
+    if mask is None or not on_cpu or (L.__class__ is int and L <= BLOCK_Q):
+        return True
+    return torch.compiler.is_compiling() or L <= BLOCK_Q
 
 
 def pieces(inputs: Inputs) -> list[Piece] | None:

@@ -24,7 +24,7 @@ from sdpa.backends import aten, blocks, cuda
 from sdpa.backends.base import Backend
 from sdpa.backends.reference import Reference
 from sdpa.errors import NotSupportedError
-from sdpa.inputs import Inputs, sink_rows
+from sdpa.inputs import Inputs, no_work, sink_rows
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -145,42 +145,51 @@ class Plan(NamedTuple):
     causal: bool = False
     pieces: list[blocks.Piece] | None = None
     whole: bool = False  # a structured part materialised for the one call
-
-    @property
-    def direct(self) -> bool:
-        """One kernel call with the mask as it is (nothing materialised): the fast lane."""
-        return self.call == "one" and not self.whole
+    direct: bool = False  # one call with the mask as it is: the fast lane (set by _plan)
 
 
-_UNMASKED, _CAUSAL, _EMPTY = Plan("one"), Plan("one", None, True), Plan("empty")
+def _plan(call: str, mask=None, causal: bool = False, pieces=None, whole: bool = False) -> Plan:
+    """A Plan, `direct` derived from the rest (one call, nothing materialised), made
+    without the named tuple's keyword handling (plan runs on every call)."""
+    direct = call == "one" and not whole
+    return _new(Plan, (call, mask, causal, pieces, whole, direct))
+
+
+_new = tuple.__new__
+
+
+_UNMASKED, _CAUSAL, _EMPTY = _plan("one"), _plan("one", None, True), _plan("empty")
 _REFERENCE = Reference()
 
 
-def plan(inputs: Inputs) -> Plan:
+def plan(inputs: Inputs, sizes: tuple[int, int, int] | None = None) -> Plan:
     """The kernel calls for `inputs`: the common calls (no mask, causal=True, a tensor
     mask the kernel takes whole, with or without causal=True) decided in O(1) from the
     mask's type and shapes; the rest from the block plan (read on the host on CPU, from
-    the masks' host-side spans elsewhere)."""
-    mask = inputs.mask
-    if inputs.no_work:  # torch's kernels crash on 0 heads, queries or keys
+    the masks' host-side spans elsewhere). sizes: (Hq, L, S), where the caller has them."""
+    q, mask = inputs.query, inputs.mask
+    if sizes is None:
+        _, Hq, L, _ = q.shape
+        S = inputs.key.shape[2]
+    else:
+        Hq, L, S = sizes
+    if no_work(Hq, L, S):  # torch's kernels crash on 0 heads, queries or keys
         return _EMPTY
     if mask is None:
         return _UNMASKED
-    L, S = inputs.query.shape[2], inputs.key.shape[2]
     if mask is masks.TOP_LEFT:
         return _CAUSAL
-    on_cpu = inputs.query.is_cpu
     rest, causal = masks.causal_flag(mask, L, S)  # top-left causality as the kernel's flag
     tensor = isinstance(rest, torch.Tensor)
-    if rest is None or (tensor and blocks.whole(rest, L, on_cpu)):
-        return Plan("one", rest, causal)  # no block to skip
+    if rest is None or (tensor and blocks.whole(rest, L, q.is_cpu)):
+        return _new(Plan, ("one", rest, causal, None, False, True))  # no block to skip
     pieces = blocks.pieces(inputs)
     if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
         # one call (a plan with no kernel call at all would cut the output from autograd)
         if tensor:
-            return Plan("one", rest, causal)
-        return Plan("one", mask, False, whole=True)
-    return Plan("pieces", pieces=pieces)
+            return _plan("one", rest, causal)
+        return _plan("one", mask, False, whole=True)
+    return _plan("pieces", pieces=pieces)
 
 
 class Fused(Backend):
@@ -260,29 +269,26 @@ class Fused(Backend):
         bool mask, which converts it on every call): so the output never comes from
         F.sdpa with the LSE left for later (docs/guide/gpu-lean-entry.md)."""
         q, k, v, _, scale = inputs[:5]
-        how = plan(inputs)
-        if inputs.sinks is None and how.direct:
-            B, H, L, E = q.size()
-            _, _, S, Ev = v.size()
-            if H.__class__ is int and E == Ev and E > 1:  # sizes known
-                plain = (  # every size a plain int (is_contiguous would guard on a traced one)
-                    B.__class__ is int and L.__class__ is int and S.__class__ is int
-                    and E.__class__ is int
-                )  # fmt: skip
-                if (plain and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or (
-                    q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
-                ):  # (unit last strides: read from contiguity where sizes are plain ints)
-                    if q.is_cpu:
-                        mask = how.mask
-                        if mask is not None:
-                            mask = tile.additive(mask, q.dtype)  # (cached for a bool mask)
-                        out, lse = aten.CPU_FLASH(
-                            q, k, v, 0.0, how.causal, attn_mask=mask, scale=scale
-                        )
-                        return out, lse, None
-                    if how.mask is None and E % cuda.HEAD_ALIGN == 0 and q.is_cuda:
-                        out, lse = cuda.kernel(q, k, v, None, how.causal, scale)
-                        return out, lse, None
+        B, H, L, E = q.size()
+        _, _, S, Ev = v.size()
+        how = plan(inputs, (H, L, S))
+        if how.direct and inputs.sinks is None and H.__class__ is int and E == Ev and E > 1:
+            plain = (  # every size a plain int (is_contiguous would guard on a traced one)
+                B.__class__ is int and L.__class__ is int and S.__class__ is int
+                and E.__class__ is int
+            )  # fmt: skip
+            if (plain and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or (
+                q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
+            ):  # (unit last strides: read from contiguity where sizes are plain ints)
+                if q.is_cpu:
+                    mask = how.mask
+                    if mask is not None:
+                        mask = tile.additive(mask, q.dtype)  # (cached for a bool mask)
+                    out, lse = aten.CPU_FLASH(q, k, v, 0.0, how.causal, attn_mask=mask, scale=scale)
+                    return out, lse, None
+                if how.mask is None and E % cuda.HEAD_ALIGN == 0 and q.is_cuda:
+                    out, lse = cuda.kernel(q, k, v, None, how.causal, scale)
+                    return out, lse, None
         out, lse = self.forward(inputs, how)
         return out, lse, None
 
