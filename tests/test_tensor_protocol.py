@@ -123,6 +123,33 @@ def test_a_habit_equals_the_dense_tensors_gradients_included(gen, habit, engine)
         assert not want.requires_grad, "the dense twin carries a gradient the habit dropped"
 
 
+def _read_through(x: object) -> object:
+    """What a habit gave, read: a view's or an expression's dense value, else itself."""
+    return x.full() if isinstance(x, (sdpa.AttentionWeights, LazyExpr)) else x
+
+
+@pytest.mark.parametrize("changed", ["key", "mask"])
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("habit", list(HABITS))
+def test_a_habit_refuses_once_an_input_changed_in_place(gen, habit, engine, changed):
+    """The staleness column of the habit table: after k (or a float mask) changed in
+    place through torch, every habit refuses with StaleWeightsError, on the handle and
+    on a view or expression made from it before the change, on every engine (held
+    weights included)."""
+    q, k, v, _ = make_inputs(gen, B=2, Hq=3, L=7, S=9)
+    mask = 0.5 * torch.randn(2, 1, 7, 9, generator=gen) if changed == "mask" else None
+    _, w, reads = run_or_skip(engine, q, k, v, mask)
+    apply = HABITS[habit][1]
+    with reads:
+        made = apply(w) if COSTS[habit] in (VIEW, EXPR) else None  # (before the change)
+        {"key": k, "mask": mask}[changed].mul_(2)
+        with pytest.raises(sdpa.StaleWeightsError, match=f"{changed} changed in place"):
+            _read_through(apply(w))
+        if made is not None:
+            with pytest.raises(sdpa.StaleWeightsError, match=f"{changed} changed in place"):
+                _read_through(made)
+
+
 @pytest.mark.parametrize("habit", [h for h, cost in COSTS.items() if cost == DENSE])
 def test_a_dense_habit_past_the_budget_refuses_naming_the_lazy_reads(habit):
     """Weights of (2, 3, 16385, 16385) need 6 GiB dense: each dense habit refuses before
