@@ -15,6 +15,7 @@ import sdpa
 from engines import ENGINES, run_or_skip
 from sdpa import masks
 from sdpa.errors import StaleWeightsError
+from sdpa.lazy import LazyExpr
 
 from conftest import MASK_KINDS, make_inputs
 from oracle import oracle
@@ -140,14 +141,48 @@ def test_a_view_makes_nothing_l_by_s_and_views_q_where_its_rows_are_ranges(gen):
     assert y._inputs.query.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
 
 
-def test_a_permutation_of_batch_and_heads_takes_the_dense_weights(gen):
-    """w.transpose(0, 1) mixes batch elements under one new batch element: no view of the
-    layout holds it, so the dense weights answer, as torch would."""
-    q, k, v, _ = make_inputs(gen, B=3, Hq=4, L=9, S=11)
+PERMUTATIONS = {
+    "transpose-0-1": lambda w: w.transpose(0, 1),
+    "cycle": lambda w: w.permute(2, 0, 1, 3, 4),
+    "cycle-back": lambda w: w.permute(1, 2, 0, 3, 4),
+    "cycle-keys-first": lambda w: w.permute(1, 2, 0, 4, 3),
+    "swapaxes-0-2": lambda w: w.swapaxes(0, -3),
+}
+
+
+@pytest.mark.parametrize("perm", list(PERMUTATIONS))
+def test_a_permutation_of_the_lead_dims_is_a_lazy_view_of_the_dense_permutation(gen, perm):
+    """Lead dims permuted (the query and key dims last, swapped or not): the rows in
+    their new order, a lazy view (a transpose of one where the last two swap), with the
+    dense tensor's values and gradients; three lead dims, so a permutation is not its
+    own inverse. (q (2, 3, 4, L, E): batch dims 2 x 3, 4 heads.)"""
+    q, k, v = (torch.randn(2, 3, 4, 5, 6, generator=gen) for _ in range(3))
+    q.requires_grad_()
     w = sdpa.attention(q, k, v).weights
+    op = PERMUTATIONS[perm]
+    got, want = op(w), op(w.full())
+    assert isinstance(got, (sdpa.AttentionWeights, LazyExpr)) and got.shape == want.shape
+    torch.testing.assert_close(got.full(), want)
+    torch.testing.assert_close(got[1, 1], want[1, 1])
+    (g_got,) = torch.autograd.grad(got[..., 3, :].square().sum(), q)
+    (g_want,) = torch.autograd.grad(want[..., 3, :].square().sum(), q)
+    torch.testing.assert_close(g_got, g_want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_permutation_mixing_batch_elements_of_a_structured_mask_takes_the_dense_weights(gen):
+    """w.transpose(0, 1) puts rows of several batch elements under one new one: a
+    structured mask with a batch dim cannot follow (one mask per row), so the dense
+    weights answer, as torch would; a tensor mask follows (its rows are copied)."""
+    q, k, v, _ = make_inputs(gen, B=3, Hq=4, L=9, S=11)
+    w = sdpa.attention(q, k, v, masks.padding([11, 3, 1])).weights
     t = w.transpose(0, 1)
     assert type(t) is torch.Tensor
     torch.testing.assert_close(t, w.full().transpose(0, 1))
+    keep = torch.rand(3, 1, 9, 11, generator=gen) > 0.3
+    w = sdpa.attention(q, k, v, keep).weights
+    t = w.transpose(0, 1)
+    assert isinstance(t, sdpa.AttentionWeights)
+    torch.testing.assert_close(t.full(), w.full().transpose(0, 1))
 
 
 # -- torch.stack / torch.cat of handles (the layers of a capture as one tensor) ----------

@@ -93,6 +93,12 @@ HABITS = {
     "unsqueeze": (LAZY, lambda w: w.unsqueeze(0)[0, 1, 2, 3]),
     "reshape-lead": (EXPR, lambda w: w.reshape(3, 2, *w.shape[-2:]).mean(0)),
     "view-then-diagonal": (LAZY, lambda w: torch.diagonal(w[1, 0], 1, -2, -1)),
+    "heads-first": (VIEW, lambda w: w.permute(1, 0, 2, 3)),
+    "transpose-lead": (VIEW, lambda w: w.transpose(0, 1)),
+    "heads-first-row": (LAZY, lambda w: w.permute(1, 0, 2, 3)[2, 1, 3]),
+    "heads-first-keys-rows": (EXPR, lambda w: w.permute(1, 0, 3, 2)),
+    "heads-first-key-column": (LAZY, lambda w: w.permute(1, 0, 3, 2)[0, 1, 4]),
+    "query-dim-among-the-lead": (DENSE, lambda w: w.permute(0, 2, 1, 3)),
     "row-of-a-view": (WHOLE, lambda w: w.unbind(-2)[4]),
     "keys-split": (WHOLE, lambda w: torch.split(w, 4, dim=-1)[2]),
 }

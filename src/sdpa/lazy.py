@@ -594,16 +594,19 @@ TRANSPOSES = frozenset(
 """The torch functions that may swap the last two dims (transposes lazily when they do)."""
 
 
-def transposes(func: Callable, x: LazyTensor, args: tuple, kwargs: dict) -> bool | None:
-    """True where func(x, *args, **kwargs) swaps x's last two dims and nothing else,
-    False where it changes nothing (a transpose of one dim with itself), None otherwise."""
+def permutation(func: Callable, x: LazyTensor, args: tuple, kwargs: dict) -> list[int] | None:
+    """The permutation of x's dims that func(x, *args, **kwargs) makes (one of
+    TRANSPOSES: result dim j is x's dim perm[j]), or None where func does something else
+    or its arguments are not ones torch takes (the dense path then raises torch's
+    error)."""
     nd = len(metadata(T.size, (x,), {}))
     if nd < 2:
         return None
+    last_two = [*range(nd - 2), nd - 1, nd - 2]
     if func in (T.mT.__get__, T.mH.__get__, T.adjoint, torch.adjoint):
-        return True if not args and not kwargs else None
+        return last_two if not args and not kwargs else None
     if func in (T.T.__get__, T.H.__get__, T.t, torch.t):
-        return True if nd == 2 and not args and not kwargs else None
+        return last_two if nd == 2 and not args and not kwargs else None
     if func in (T.permute, torch.permute):
         perm = args[0] if len(args) == 1 and isinstance(args[0], list | tuple) else args
         perm = kwargs.get("dims", perm)
@@ -611,18 +614,28 @@ def transposes(func: Callable, x: LazyTensor, args: tuple, kwargs: dict) -> bool
             perm = [operator.index(d) % nd for d in perm]
         except (TypeError, ZeroDivisionError):
             return None
-        if perm == [*range(nd - 2), nd - 1, nd - 2]:
-            return True
-        return False if perm == list(range(nd)) else None
+        return perm if sorted(perm) == list(range(nd)) else None
     dims = [*args, *(kwargs[k] for k in ("dim0", "dim1", "axis0", "axis1") if k in kwargs)]
     if len(dims) != 2:
         return None
     a, b = (dim_of(d, nd) for d in dims)
     if a is None or b is None:
         return None
-    if a == b:
-        return False
-    return True if {a, b} == {nd - 2, nd - 1} else None
+    perm = list(range(nd))
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
+def transposes(func: Callable, x: LazyTensor, args: tuple, kwargs: dict) -> bool | None:
+    """True where func(x, *args, **kwargs) swaps x's last two dims and nothing else,
+    False where it changes nothing (a transpose of one dim with itself), None otherwise."""
+    perm = permutation(func, x, args, kwargs)
+    if perm is None:
+        return None
+    nd = len(perm)
+    if perm == [*range(nd - 2), nd - 1, nd - 2]:
+        return True
+    return False if perm == list(range(nd)) else None
 
 
 # -- reading expressions -------------------------------------------------------------

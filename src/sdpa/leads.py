@@ -302,6 +302,13 @@ def reshaped_rows(lead: tuple[int, ...], new_lead: tuple[int, ...]):
     return tuple(new_lead), list(range(math.prod(lead)))
 
 
+def permuted_rows(lead: tuple[int, ...], perm: list[int]):
+    """(new_lead, rows) of a permutation of the lead dims (new dim j is old dim perm[j])."""
+    new = tuple(lead[p] for p in perm)
+    back = [perm.index(d) for d in range(len(lead))]  # old dim d is new dim back[d]
+    return new, [_flat(tuple(at[back[d]] for d in range(len(lead))), lead) for at in _each(new)]
+
+
 def expanded_rows(lead: tuple[int, ...], new_lead: tuple[int, ...]):
     """(new_lead, rows) of torch's expand of the lead to new_lead (aligned on the right:
     new leading dims and dims of size 1 repeat their rows)."""

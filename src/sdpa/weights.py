@@ -49,12 +49,12 @@ from sdpa.lazy import (
     expr,
     metadata,
     on_dense,
+    permutation,
     printed,
     reduce_lead,
     reduction_of,
     refuses_grad,
     transpose,
-    transposes,
 )
 
 
@@ -1011,6 +1011,23 @@ class AttentionWeights(_Reads, LazyTensor):
                 return view
         return on_dense(func, (self, *args), kwargs)
 
+    def _permuted(self, perm: list[int] | None) -> torch.Tensor | None:
+        """A permutation of the dims (permute, transpose, swapaxes, mT) that keeps the
+        query and key dims last: the lead dims' part a lazy view of the rows in their new
+        order, the last two swapped a lazy transpose of it; None for any other."""
+        if perm is None:
+            return None
+        nd = len(perm)
+        lead, last = perm[:-2], perm[-2:]
+        if sorted(lead) != list(range(nd - 2)) or sorted(last) != [nd - 2, nd - 1]:
+            return None  # (a query or key dim moved among the lead: the dense weights)
+        view = self
+        if lead != list(range(nd - 2)):
+            view = self._lead_view(*leads.permuted_rows(tuple(self._inputs.lead), lead))
+            if view is None:
+                return None
+        return transpose(view) if last == [nd - 1, nd - 2] else view
+
     def backward(self, *args: object, **kwargs: object):
         refuses_grad("backward")()
 
@@ -1034,9 +1051,9 @@ class AttentionWeights(_Reads, LazyTensor):
         if func in METADATA:
             return metadata(func, args, kwargs)
         if func in TRANSPOSES and args and isinstance(args[0], AttentionWeights):
-            swaps = transposes(func, args[0], args[1:], kwargs)
-            if swaps is not None:
-                return transpose(args[0]) if swaps else args[0]
+            moved = args[0]._permuted(permutation(func, args[0], args[1:], kwargs))
+            if moved is not None:
+                return moved
         made = expr(func, args, kwargs)  # an elementwise op: a lazy expression
         return made if made is not None else on_dense(func, args, kwargs)
 
