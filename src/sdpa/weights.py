@@ -583,15 +583,17 @@ class _Reads(Lazy):
             return self._reduce(torch.Tensor.mean, lambda: self._row_sums() / S, -1, args, kwargs)
         return self._reduce(torch.Tensor.mean, lambda: self._key_sums() / L, -2, args, kwargs)
 
-    def _reduce(self, op: Callable, lazy: Callable, at: int, args: tuple, kwargs: dict):
-        """op(w, *args, **kwargs): where its dims include `at` (-2 or -1), lazy() (the
-        reduction over `at`) reduced over the other dims by op; else the dense op."""
+    def _reduce(self, op: Callable, lazy: Callable | None, at: int, args: tuple, kwargs: dict):
+        """op(w, *args, **kwargs): over leading dims alone a lazy expression (sdpa.lazy);
+        where its dims include `at` (-2 or -1), lazy() (the reduction over `at`) reduced
+        over the other dims by op; else (or with no lazy reduction) the dense op."""
         nd = len(self._inputs.shape)
-        dims, keepdim = reduction_of(args, kwargs, nd, "dim", None if op is not T.amax else ())
+        every = () if op in (T.amax, T.amin) else None  # (their default dim=(): every dim)
+        dims, keepdim = reduction_of(args, kwargs, nd, "dim", every)
         if dims is not None and max(dims) < nd - 2 and isinstance(self, LazyTensor):
             # over leading dims alone (the head mean): lazy, its index reads rows
             return reduce_lead(self, LeadReduction(op.__name__, tuple(sorted(dims)), keepdim, None))
-        if dims is None or at % nd not in dims:
+        if lazy is None or dims is None or at % nd not in dims:
             return on_dense(op, (self, *args), kwargs)
         out = lazy().unsqueeze(at)
         rest = sorted(dims - {at % nd})
@@ -624,11 +626,7 @@ class _Reads(Lazy):
     def amin(self, *args: object, **kwargs: object) -> torch.Tensor:
         """torch.amin of the weights: over leading dims alone a lazy expression whose
         index reads rows (sdpa.lazy); other dims take the dense weights."""
-        nd = len(self._inputs.shape)
-        dims, keepdim = reduction_of(args, kwargs, nd, "dim", ())
-        if dims is not None and max(dims) < nd - 2 and isinstance(self, LazyTensor):
-            return reduce_lead(self, LeadReduction("amin", tuple(sorted(dims)), keepdim, None))
-        return on_dense(torch.Tensor.amin, (self, *args), kwargs)
+        return self._reduce(torch.Tensor.amin, None, -1, args, kwargs)
 
     def _row_max(self) -> torch.Tensor:
         self._check_fresh()
