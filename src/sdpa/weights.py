@@ -326,11 +326,16 @@ class _Reads(Lazy):
         nothing here). Refuses, before allocating anything, when they need more than
         max_bytes (None: no limit)."""
         p = self._probs
-        if p is not None and max_bytes is DEFAULT_MAX_BYTES and self._copies_held(p):
-            self._check_fresh()  # the kept weights (small: within the default budget)
-            if torch.is_grad_enabled() and grads.needs(self._inputs) is not None:
-                p = grads.kept(p, self._probabilities, self._inputs)  # (the read's own graph)
-            return self._lead(p.clone())
+        if max_bytes is DEFAULT_MAX_BYTES or max_bytes is None:  # (the weights kept or
+            # small: a copy of them, within the default budget)
+            if p is None and not self._frozen and small.one_product(self._inputs):
+                self._check_fresh()
+                p = None if self._shape_only else self._held()  # (one product, kept)
+            if p is not None and self._copies_held(p):
+                self._check_fresh()
+                if torch.is_grad_enabled() and grads.needs(self._inputs) is not None:
+                    p = grads.kept(p, self._probabilities, self._inputs)  # (its own graph)
+                return self._lead(p.clone())
         max_bytes = check_max_bytes(max_bytes)
         self._check_fresh()
         check_fits(
