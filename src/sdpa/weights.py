@@ -328,11 +328,10 @@ class _Reads(Lazy):
         p = self._probs
         if max_bytes is DEFAULT_MAX_BYTES or max_bytes is None:  # (the weights kept or
             # small: a copy of them, within the default budget)
-            if p is None and not self._frozen and small.one_product(self._inputs):
-                self._check_fresh()
-                p = None if self._shape_only else self._held()  # (one product, kept)
+            self._check_fresh()
+            if p is None and not self._frozen and not self._shape_only:
+                p = self._held()  # (one product, kept, where small; else None)
             if p is not None and self._copies_held(p):
-                self._check_fresh()
                 if torch.is_grad_enabled() and grads.needs(self._inputs) is not None:
                     p = grads.kept(p, self._probabilities, self._inputs)  # (its own graph)
                 return self._lead(p.clone())
