@@ -148,14 +148,14 @@ class Plan(NamedTuple):
     direct: bool = False  # one call with the mask as it is: the fast lane (set by _plan)
 
 
+_new = tuple.__new__
+
+
 def _plan(call: str, mask=None, causal: bool = False, pieces=None, whole: bool = False) -> Plan:
     """A Plan, `direct` derived from the rest (one call, nothing materialised), made
     without the named tuple's keyword handling (plan runs on every call)."""
     direct = call == "one" and not whole
     return _new(Plan, (call, mask, causal, pieces, whole, direct))
-
-
-_new = tuple.__new__
 
 
 _UNMASKED, _CAUSAL, _EMPTY = _plan("one"), _plan("one", None, True), _plan("empty")
@@ -182,7 +182,7 @@ def plan(inputs: Inputs, sizes: tuple[int, int, int] | None = None) -> Plan:
     rest, causal = masks.causal_flag(mask, L, S)  # top-left causality as the kernel's flag
     tensor = isinstance(rest, torch.Tensor)
     if rest is None or (tensor and blocks.whole(rest, L, q.is_cpu)):
-        return _new(Plan, ("one", rest, causal, None, False, True))  # no block to skip
+        return _plan("one", rest, causal)  # no block to skip
     pieces = blocks.pieces(inputs)
     if pieces is None or _one_masked_call(pieces, S) or all(p.k1 == p.k0 for p in pieces):
         # one call (a plan with no kernel call at all would cut the output from autograd)
