@@ -333,7 +333,7 @@ class _Reads(Lazy):
                 p = self._held()  # (one product, kept, where small; else None)
             if p is not None and self._copies_held(p):
                 if torch.is_grad_enabled() and grads.needs(self._inputs) is not None:
-                    p = grads.kept(p, self._probabilities, self._inputs)  # (its own graph)
+                    p = self._held(grad=True)  # (kept: a graph of this read's own)
                 return self._lead(p.clone())
         max_bytes = check_max_bytes(max_bytes)
         self._check_fresh()
