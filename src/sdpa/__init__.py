@@ -2,7 +2,7 @@
 
 from importlib import metadata as _metadata
 
-from sdpa import masks, settings
+from sdpa import losses, masks, settings
 from sdpa.errors import (
     NotSupportedError,
     SdpaTypeError,
@@ -36,6 +36,7 @@ __all__ = [
     "attention",
     "explain",
     "frozen",
+    "losses",
     "masks",
     "scaled_dot_product_attention",
     "settings",

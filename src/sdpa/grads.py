@@ -448,6 +448,19 @@ def kl_rule(other: Callable[[int, bool], rows.Source | rows.DenseSource], weighs
     return softmax_rule(pg, logp=weighs)
 
 
+def score_errors_rule(mine: rows.Rows, other: rows.Rows) -> Rule:
+    """sum_j (s_ij - s'_ij)^2 per row (rows.score_errors) into this side's scores s: dS =
+    2 g (s - s') where this side sees the key, 0 where its mask excludes it (its visible
+    score is the constant 0 there). Not a function of P: no softmax backward, no sink."""
+
+    def rule(t: rows.TileRows, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        s, excluded = rows.visible_scores(mine, t.where)
+        ds = s.sub_(rows.visible_scores(other, t.where)[0].to(s.dtype)).masked_fill_(excluded, 0.0)
+        return ds.mul_(_place(g, t)[..., None].to(ds.dtype)).mul_(2.0), None
+
+    return Rule(rule)
+
+
 def weighted_rows_rule(u: torch.Tensor) -> Rule:
     """u @ w: R_fj = sum_i u_fi P_ij (u (B, H, F, L)); G_ij = sum_f u_fi g_fj."""
 

@@ -479,9 +479,39 @@ def max_logits(r: Rows) -> torch.Tensor:
     out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
     raw = tile.Scoring(r.inputs.scale)  # before the softcap
     for t in tiles(r, settings.get().chunk_bytes):
-        q, k, _, _, window = operands(r, t)
-        s = tile.exclude(tile.scores(q, k, raw), window)
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = s.amax(dim=-1)
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = masked_scores(r, t, raw).amax(dim=-1)
+    return out
+
+
+def masked_scores(r: Rows, t: Tile, scoring: tile.Scoring | None = None) -> torch.Tensor:
+    """Tile t's scores after the mask, (1, h, rows, keys): the tile rule's scores (the
+    call's scale and softcap unless `scoring` says otherwise), -inf where the mask
+    excludes a key, a float mask added. A fresh tensor."""
+    q, k, _, _, window = operands(r, t)
+    scoring = tile.Scoring.of(r.inputs) if scoring is None else scoring
+    return tile.exclude(tile.scores(q, k, scoring), window)
+
+
+def visible_scores(r: Rows, t: Tile) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, excluded) of tile t: its masked scores with 0 where the mask excludes a
+    key (the pre-softmax scores as distillation compares them: TinyBERT's), and where
+    that is (bool, (1, h, rows, keys))."""
+    s = masked_scores(r, t)
+    excluded = s == -torch.inf
+    return s.masked_fill_(excluded, 0.0), excluded
+
+
+@_eager
+def score_errors(r: Rows, other: Rows) -> torch.Tensor:
+    """sum_j (s_ij - s'_ij)^2 per row, (B', H', n): s and s' the visible scores of the
+    selection and of `other` (another call's rows of the same shape), tile by tile."""
+    B, H, n, _ = r.shape
+    out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
+    if empty(*r.shape):
+        return out
+    for t in tiles(r, settings.get().chunk_bytes):
+        d = visible_scores(r, t)[0].sub_(visible_scores(other, t)[0].to(r.dtype))
+        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = d.square_().sum(dim=-1)
     return out
 
 

@@ -247,6 +247,24 @@ class _Reads(Lazy):
         return self._inputs.query.device
 
     @property
+    def query(self) -> torch.Tensor:
+        """The query the call attended with, (B, Hq, L, E) (leading dims folded into B):
+        the tensor itself, not a copy, in the graph that made it. In a capture of a
+        model, the layer's projected queries with heads split (distillation's relations
+        read them: sdpa.losses.relation_kl)."""
+        return self._inputs.query
+
+    @property
+    def key(self) -> torch.Tensor:
+        """The key the call attended with, (B, Hkv, S, E) (grouped-query heads as given)."""
+        return self._inputs.key
+
+    @property
+    def value(self) -> torch.Tensor:
+        """The value the call attended with, (B, Hkv, S, Ev)."""
+        return self._inputs.value
+
+    @property
     def lse(self) -> torch.Tensor:
         """Log-sum-exp of each query row's scores, (*lead, L); 0 for rows that see no key.
         Differentiable (dlse_i / ds_ij = p_ij)."""
@@ -482,6 +500,40 @@ class _Reads(Lazy):
             # mask and sinks, or a dense target
             watch = [other] if theirs is None else grads.watched(theirs.inputs)
             value = grads.read_sides(lambda v=value: v, sides, extras, watch)
+        return self._lead(value)
+
+    def score_errors(self, other: AttentionWeights, head_map=None) -> torch.Tensor:
+        """The squared differences between the pre-softmax scores of these weights' call
+        and other's, summed over the keys per query row: (*lead, L), sum_j (s_ij -
+        t_ij)^2 with s = scale q k^T (softcap applied, a float mask added) and 0 where a
+        call's mask excludes the key (so an entry both calls exclude adds 0). The
+        TinyBERT distillation loss is its mean (sdpa.losses.score_mse).
+
+        other: AttentionWeights over the same batch, queries and keys; head_map as for
+        kl. Differentiable into both sides as they require grad, tile by tile (never
+        L x S): into s, 2 g (s - t) where this call sees the key."""
+        if not isinstance(other, _Reads):
+            raise SdpaTypeError(
+                f"score_errors compares the scores of two attention calls: other must be "
+                f"AttentionWeights, got {type(other).__name__}"
+            )
+        self._check_fresh()
+        other._check_fresh()
+        i = self._inputs
+        o_inputs, o_lse = _aligned(other, head_map, i, "score_errors")
+        if self._shape_only or other._shape_only:
+            return self._zeros(i.query.shape[2])
+        mine, theirs = self._every_row(), rows.Rows.every(o_inputs, o_lse)
+        with torch.no_grad(), no_autocast(self.device.type):
+            value = rows.score_errors(mine, theirs)  # (B, Hq, L)
+        sides = []
+        if (needs := self._needs()) is not None:
+            sides.append(grads.Side(mine, grads.score_errors_rule(mine, theirs), needs))
+        if (o_needs := other._needs(o_inputs)) is not None:
+            sides.append(grads.Side(theirs, grads.score_errors_rule(theirs, mine), o_needs))
+        if sides:  # (each side's backward reads the other's q, k and mask)
+            watch = grads.watched(o_inputs) + grads.watched(i)
+            value = grads.read_sides(lambda v=value: v, sides, [], watch)
         return self._lead(value)
 
     def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
@@ -1511,7 +1563,7 @@ def _per_head(x: object, mine: Inputs, name: str, dim: int) -> torch.Tensor:
 
 
 def _aligned(
-    other: AttentionWeights, head_map: object, mine: Inputs
+    other: AttentionWeights, head_map: object, mine: Inputs, read: str = "kl"
 ) -> tuple[Inputs, torch.Tensor]:
     """other's inputs and LSE laid out with these weights' query heads: head h of ours
     meets head head_map[h] of theirs, each with its own key head (no grouping left);
@@ -1522,7 +1574,7 @@ def _aligned(
     S = mine.key.shape[2]
     if o.query.shape[0] != B or o.query.shape[2] != L or o.key.shape[2] != S:
         raise SdpaValueError(
-            f"kl needs weights over the same batch, queries and keys: these are "
+            f"{read} needs weights over the same batch, queries and keys: these are "
             f"{tuple(mine.shape)}, the other {tuple(o.shape)}"
         )
     Ho = o.query.shape[1]

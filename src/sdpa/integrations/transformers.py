@@ -85,7 +85,7 @@ import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -158,7 +158,12 @@ class Capture:
     """What `capture` collects, per attention call or accumulated per layer.
 
     weights: one lazy AttentionWeights (B, Hq, L, S) per call, in call order (when kept;
-        calls from several threads in the order they finished).
+        calls from several threads in the order they finished). Each holds the call's
+        q, k and v (`w.query`, `w.key`, `w.value`: the model's own tensors, heads split),
+        what distillation's relations read (sdpa.losses).
+    call_layers: the layer of each kept handle, parallel to weights.
+    layers: the layers recorded (None: every layer); the others' calls are not kept and
+        add no statistics.
     received: layer -> (B, Hkv, S) float32 (float64 for float64 models): attention each
         key received, summed over every query of every call (prefill and each decode
         step), averaged over the Hq / Hkv query heads that share each key/value head.
@@ -179,9 +184,11 @@ class Capture:
     entropy: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     last_row: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     max_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    call_layers: list[int] = field(default_factory=list)
     stats: tuple[str, ...] = ()
     on_call: Callable[[int, AttentionWeights], object] | None = field(default=None, repr=False)
     keep: bool = True
+    layers: tuple[int, ...] | None = None
     # modules by weak reference: a capture kept after the block must not pin the model
     _layers: weakref.WeakKeyDictionary = field(  # module -> layer, without layer_idx
         default_factory=weakref.WeakKeyDictionary, repr=False
@@ -219,11 +226,12 @@ class Capture:
         with self._lock:
             if not self._open:  # a replica kept after the block still names this capture
                 return
+            layer = self._layer(module)
+            if self.layers is not None and layer not in self.layers:
+                return
             if self.keep:
                 self.weights.append(weights)
-            if not self.stats and self.on_call is None:
-                return
-            layer = self._layer(module)
+                self.call_layers.append(layer)
             if self.stats:
                 self._add_stats(layer, module, weights, kv_heads, sliding)
             if self.on_call is not None:
@@ -796,7 +804,10 @@ def _uses_ours(model: torch.nn.Module) -> bool:
 
 
 # What a saved capture keeps (Capture.__reduce_ex__).
-_SAVED = ("weights", "received", "entropy", "last_row", "max_logits", "stats", "keep")
+_SAVED = (
+    "weights", "received", "entropy", "last_row", "max_logits", "call_layers", "stats", "keep",
+    "layers",
+)  # fmt: skip
 
 torch.serialization.add_safe_globals([Capture])
 
@@ -819,6 +830,7 @@ def capture(
     stats: str | tuple[str, ...] | list[str] = (),
     on_call: Callable[[int, AttentionWeights], object] | None = None,
     keep: bool | None = None,
+    layers: Iterable[int] | None = None,
 ) -> Iterator[Capture]:
     """Collect what the attention calls of `model` made inside the block show: lazy
     weights, or statistics computed inside each call.
@@ -863,6 +875,9 @@ def capture(
         kept handles carry gradients as every read does: attention distillation is
         `student.weights[-1].kl(teacher.weights[-1])` on two captures' handles (the
         teacher's taken under torch.no_grad()), KL(teacher || student) per query row.
+    layers: record only the calls of these layers (layer numbers as on_call gets them):
+        handles kept and statistics only for those, so a distillation loss that reads
+        three layers of six pins three layers' q, k and v, not six.
 
     Activation checkpointing (transformers' activation_checkpointing_enable, formerly
     gradient_checkpointing_enable, or torch.utils.checkpoint) reruns each layer in the
@@ -890,7 +905,9 @@ def capture(
         raise SdpaValueError(f"keep must be True, False or None, got {keep!r}")
     if keep is None:
         keep = not names and on_call is None
-    with _opened(Capture(stats=names, on_call=on_call, keep=keep), model, "capture") as found:
+    chosen = _layer_list(layers)
+    found = Capture(stats=names, on_call=on_call, keep=keep, layers=chosen)
+    with _opened(found, model, "capture") as found:
         yield found
 
 
@@ -936,6 +953,23 @@ def edit(model: torch.nn.Module, fn: EditFn) -> Iterator[Edit]:
     modules = found._lay_out(model)
     with _opened(found, model, "edit", modules) as found:
         yield found
+
+
+def _layer_list(layers: object) -> tuple[int, ...] | None:
+    """capture's layers as a tuple of ints, or None (every layer)."""
+    if layers is None:
+        return None
+    items = [layers] if isinstance(layers, int) else layers
+    try:
+        chosen = tuple(items)
+    except TypeError:
+        chosen = None
+    if chosen is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in chosen):
+        raise SdpaTypeError(
+            f"layers must be layer numbers (an int or an iterable of ints, as on_call gets "
+            f"them: module.layer_idx), got {_describe(layers)}"
+        )
+    return chosen
 
 
 def _check_model(model: object, what: str) -> None:
