@@ -392,14 +392,36 @@ def key_sums(r: Rows) -> torch.Tensor:
 
 
 @_eager
-def entropy(r: Rows) -> torch.Tensor:
-    """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key."""
+def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
+    """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key. One
+    pass over each tile: the scores shifted by the LSE in the product (or by the row max
+    where it lost digits), their exponentials and two row sums; the entropy of every row
+    then at once (tile.entropy_of). excluded: whether a score may be -inf (default: with
+    a mask, or off CPU); on CPU without a mask a -inf score (from an infinite q or k)
+    shows as a NaN entropy, and the read is made again with excluded=True (one host read;
+    a NaN row, NaN either way, costs that second read too)."""
     B, H, n, _ = r.shape
-    out = torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
-    for tr in each(r, both=True):
-        t = tr.where
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tile.entropy_of(tr.p, tr.logp)
-    return out
+    if empty(*r.shape):
+        return torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
+    check = excluded is None and r.device.type == "cpu" and r.inputs.mask is None
+    if excluded is None:
+        excluded = not check
+    budget = settings.get().chunk_bytes
+    r = r._replace(keys=ALL)
+    scores, exps = scratch(r, budget), scratch(r, budget)
+    sums = torch.empty(2, B, H, n, 1, dtype=r.dtype, device=r.device)  # T, sum e t
+    p_sink = None if r.inputs.sinks is None else torch.empty_like(sums[0])
+    for t in tiles(r, budget):
+        at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
+        shifted, c, sinks = _shifted(r, t, in_tile(scores, r, t))
+        e, sums[0][at] = tile.exponentiate(shifted, c, sinks, keep=True, out=in_tile(exps, r, t))
+        if p_sink is not None:
+            p_sink[at] = tile.sink_weight(sinks, c, sums[0][at])[..., None]
+        sums[1][at] = tile.weighted_scores(e, shifted, excluded)
+    h = tile.entropy_of(sums[0], sums[1], p_sink)[..., 0]
+    if check and bool(torch.isnan(h).any()):  # a -inf score (or a NaN row): with clamps
+        return entropy(r, excluded=True)
+    return h
 
 
 @_eager

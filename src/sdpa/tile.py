@@ -14,8 +14,8 @@ rows engine and the backward of the reads, and ring attention's block math.
     values(p, v)                  p v, grouped-query heads folded in
     finish(s, sinks)              probabilities and the LSE: the edge convention below
     shift, marked, exponentiate,  probabilities from an LSE computed elsewhere (or the
-    log_weights,                  row max), normalised by each row's own sum, their
-    sink_weight, entropy_of,      logs, the sink's share, the entropy and KL of rows,
+    log_weights, sink_weight,     row max), normalised by each row's own sum, their
+    weighted_scores, entropy_of,  logs, the sink's share, the entropy and KL of rows,
     kl_of, rebuild                a selection of keys (rebuild)
     merge(a, b), add_sinks(...)   partial (out, lse) over disjoint keys, exactly
     sink_grad(dout, out, lse, z)  the sinks' gradient from the output's
@@ -547,14 +547,31 @@ def sink_weight(
     return None if sinks is None else (torch.exp(sinks[..., None] - c) / total)[..., 0]
 
 
-def entropy_of(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """-sum_j p ln p per row, (B, H, n), of weights p and their logs (B, H, n, m), as
-    `finish` makes them (a NaN row is NaN at every key; log p <= 0, so the entropy is
-    never negative): 0 ln 0 = 0 (an excluded key, a row that sees no key), NaN rows
-    stay NaN. Consumes logp."""
-    nan = torch.isnan(p[..., 0])
-    plogp = logp.mul_(p).nansum(dim=-1)  # (0 x -inf: NaN, skipped)
-    return plogp.neg_().add_(0.0).masked_fill_(nan, torch.nan)  # (+0, not -0)
+def weighted_scores(e: torch.Tensor, shifted: torch.Tensor, excluded: bool) -> torch.Tensor:
+    """sum_j e_j t_j per row, (B, H, n, 1), of shifted scores t (B, H, n, m) and e =
+    exp(t): entropy_of's second sum. excluded: t may hold -inf (a mask, a row that sees
+    no key; e = 0 there, 0 x -inf would be NaN): set to the lowest float first, in
+    place. Consumes e. torch's sum, not a BLAS dot: a dot loses digits here."""
+    if excluded:
+        shifted.clamp_min_(torch.finfo(shifted.dtype).min)
+    return e.mul_(shifted).sum(dim=-1, keepdim=True)
+
+
+def entropy_of(
+    total: torch.Tensor, weighted: torch.Tensor, p_sink: torch.Tensor | None = None
+) -> torch.Tensor:
+    """-sum_j p ln p per row over the keys, (...), from two sums of each row's shifted
+    scores t = s - c and e = exp(t) (one pass over a tile, see `exponentiate` and
+    `weighted_scores`): the normaliser T (...) and sum_j e_j t_j (...). With p = e / T
+    and ln p = t - ln T,
+
+        H = (sum_j e_j) ln T / T - (sum_j e_j t_j) / T,   sum_j e_j / T = 1 - p_sink
+
+    (the keys' share of the row; 1 without sinks). 0 ln 0 = 0 (an excluded key, a row
+    that sees no key: T = 1, e = 0); NaN rows stay NaN. Never negative but for
+    rounding."""
+    keys = total.log() if p_sink is None else total.log().mul_(1.0 - p_sink)
+    return keys.sub_(weighted / total).add_(0.0)  # (+0, not -0)
 
 
 def rebuild(t: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
