@@ -96,6 +96,11 @@ def run(
                 "gflops": None if c.flop is None else c.flop / med[side] / 1e9,
                 "ratio": med[side] / med["peer"],
                 "target": c.target if side == "ours" else None,
+                "met": (
+                    med["ours"] / med["peer"] <= c.target
+                    if side == "ours" and c.target is not None
+                    else None
+                ),
                 "reps": count,
                 "calls_per_rep": c.calls_per_rep,
                 "grad": c.grad,
