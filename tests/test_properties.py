@@ -153,3 +153,31 @@ def test_any_mask_tree_equals_its_materialised_twin(case):
         torch.testing.assert_close(rows.double(), ref_p[:, :, ::37], atol=2e-5, rtol=0,
                                    msg=repr(mask))  # fmt: skip
     assert len(ran) >= 2, f"only {ran} took {mask!r}: nothing to agree with"
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 12),  # k
+    st.sampled_from([1, 2, 3, 8, 64]),  # block
+    st.integers(0, 3),  # blocks past 2k (the two-stage path starts there)
+    st.sampled_from([0, 1, 5]),  # tail keys past the last block
+    st.booleans(),  # a NaN row
+    st.integers(0, 2**31 - 1),
+)
+@example(8, 64, 1, 0, False, 0)  # the default block, 16384-like rows on a block edge
+@example(3, 2, 0, 1, True, 1)
+def test_two_stage_top_keys_equal_torch_topk(k, block, extra, tail, nan_row, seed):
+    """tile.top_keys is torch.topk over the keys (values and indices, largest first) on
+    scores without ties, at the edge where it switches to two stages, with and without a
+    tail block, a NaN row included (NaN first, as torch orders it)."""
+    from sdpa import tile
+
+    m = (2 * k + extra) * block + tail
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(2, 3, 5, m, generator=g)
+    if nan_row:
+        s[1, 2, 4, m // 2] = torch.nan
+    values, indices = tile.top_keys(s, k, block)
+    want_v, want_i = s.topk(k, dim=-1)
+    torch.testing.assert_close(values, want_v, equal_nan=True, atol=0, rtol=0)
+    assert torch.equal(indices, want_i)

@@ -427,15 +427,24 @@ def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
 @_eager
 def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest weights of each row and their key indices, each (B', H', n, k): the
-    top k of the scores, their weights gathered."""
+    top k of each tile's shifted scores (tile.top_keys; torch.topk under a mask, whose
+    -inf keys tie), then the tile's exponentials in place for the rows' normaliser, the
+    k weights exp(t) / T of the row (normalised by its own sum, as p is)."""
     B, H, n, _ = r.shape
     values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.device)
     indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.device)
-    for tr in each(r):
-        t = tr.where
-        idx = tr.scores.topk(k, dim=-1)[1]  # (the order of the weights, ties by score)
-        values[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tr.p.gather(-1, idx)
-        indices[t.at_b : t.at_b + 1, t.at_h, t.at_r] = idx
+    if empty(*r.shape):
+        return values, indices
+    budget = settings.get().chunk_bytes
+    r = r._replace(keys=ALL)
+    buffer = scratch(r, budget)
+    ties = r.inputs.mask is not None  # (a mask's -inf keys tie: torch.topk's choice)
+    for t in tiles(r, budget):
+        at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
+        shifted, c, sinks = _shifted(r, t, in_tile(buffer, r, t))
+        top, indices[at] = shifted.topk(k, dim=-1) if ties else tile.top_keys(shifted, k)
+        total = tile.exponentiate(shifted, c, sinks)[1]  # (in place: the scores are spent)
+        values[at] = top.exp_().div_(total)
     return values, indices
 
 
