@@ -96,11 +96,7 @@ def run(
                 "gflops": None if c.flop is None else c.flop / med[side] / 1e9,
                 "ratio": med[side] / med["peer"],
                 "target": c.target if side == "ours" else None,
-                "met": (
-                    med["ours"] / med["peer"] <= c.target
-                    if side == "ours" and c.target is not None
-                    else None
-                ),
+                "met": met_target(med["ours"] / med["peer"], c.target) if side == "ours" else None,
                 "reps": count,
                 "calls_per_rep": c.calls_per_rep,
                 "grad": c.grad,
@@ -115,6 +111,11 @@ def run(
             results.append(row)
             print(_line(row, widths), flush=True)
     return results
+
+
+def met_target(ratio: float, target: float | None) -> bool | None:
+    """Whether a ratio ours / peer meets its target (at most it); None without one."""
+    return None if target is None else ratio <= target
 
 
 def column_widths(comparisons: list[Comparison]) -> tuple[int, int]:
@@ -133,7 +134,7 @@ def _line(row: dict, widths: tuple[int, int]) -> str:
     mem = "" if row["peak_mib"] is None else f"{row['peak_mib']:.1f} MiB"
     verdict = ""
     if row["target"] is not None:
-        met = "met" if row["ratio"] <= row["target"] else "MISSED"
+        met = "met" if met_target(row["ratio"], row["target"]) else "MISSED"
         verdict = f"  target <= {row['target']}x {met}"
     return (
         f"{row['case']:<{widths[0]}}  {row['impl']:<{widths[1]}}  {ms}  {flops:>15}  {mem:>12}"
@@ -158,7 +159,7 @@ def markdown(results: list[dict]) -> str:
             continue
         p = peers[(r["case"], r["peer"])]
         target = "-" if r["target"] is None else f"<= {r['target']}"
-        if r["target"] is not None and r["ratio"] > r["target"]:
+        if met_target(r["ratio"], r["target"]) is False:
             target += " (missed)"
         mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f} / {p['peak_mib']:.0f}"
         if r["peak_mib"] is not None and p["peak_mib"] is None:
