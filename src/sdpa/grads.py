@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from sdpa import rows, settings, tile
+from sdpa.budget import release_freed
 from sdpa.errors import NotSupportedError
 from sdpa.inputs import Inputs
 
@@ -228,6 +229,7 @@ class _Read(torch.autograd.Function):
                 "math (sdpa.listing.attention) for higher orders"
             )
         ctx.versions.check()
+        release_freed()  # (chunked reads' backwards: each one's pages given back first)
         out: list[torch.Tensor | None] = [None, None, None, None]
         with settings.using(ctx.tuning):
             for side in ctx.sides:

@@ -13,6 +13,9 @@ expressions) all have its shape; plain tensors and numbers broadcast to it. It a
 - a reduction (sum, mean, amax, amin, any, all; max, min, argmax, argmin, topk over a
   dim other than the queries): over chunks of query rows (tile.chunk_rows), each chunk
   recomputed in the backward (checkpointed), so nothing L x S is held;
+- a product with a plain tensor (expr @ x, u @ expr): chunk of query rows by chunk,
+  each chunk once (checkpointed as a reduction's); a head sum or mean times a few rows
+  or columns is the weights' own product per head, reduced after;
 - torch.diagonal over the query and key dims: the op on the operands' diagonals;
 - a transpose of the last two dims: rows become key columns (`w.mT[..., j, :]` is the
   column w[..., j]); products with a transpose of the weights are the weights' products;
@@ -40,7 +43,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sdpa import settings, tile
-from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, release_freed
 from sdpa.errors import NotSupportedError, StaleWeightsError
 
 T = torch.Tensor
@@ -829,23 +832,35 @@ def _chunks(x: LazyExpr, shape: tuple[int, ...]) -> list[slice]:
 
 
 def _nodes(x: object) -> int:
+    """Copies of a chunk of x's rows its evaluation holds: one per node, a reduction over
+    leading dims (the head mean) as many as it reduces (it reads every head's rows)."""
     if not isinstance(x, LazyExpr):
         return 1
+    if isinstance(x._func, LeadReduction):
+        shape = metadata(T.size, (x._args[0],), {})
+        return 1 + math.prod(shape[d] for d in x._func.dims) * _nodes(x._args[0])
     return 1 + sum(_nodes(a) for a in x._operands() if isinstance(a, LazyTensor))
 
 
-def _each_chunk(x: LazyExpr, shape: tuple[int, ...], fn: Callable, take: Callable) -> None:
-    """take(rows, fn(x's rows of each chunk of query rows)), chunk by chunk; each chunk
-    is recomputed in the backward where a gradient is taken (checkpointed), so no
-    chunk's intermediates are held. `take` stores each answer at once, into one buffer
-    (small answers kept between large chunks fragment the heap: 2.5 MiB of peak memory
-    per chunk, measured)."""
+def _each_chunk(
+    x: LazyExpr, shape: tuple[int, ...], fn: Callable, take: Callable, also: object = None
+) -> None:
+    """take(rows, fn(x's rows of each chunk of query rows[, rows])), chunk by chunk;
+    each chunk is recomputed in the backward where a gradient is taken (checkpointed),
+    so no chunk's intermediates are held. `also`: a plain tensor fn reads (a product's
+    other factor); fn then takes the rows too, and a gradient into it checkpoints as
+    well. `take` stores each answer at once, into one buffer (small answers kept between
+    large chunks fragment the heap: 2.5 MiB of peak memory per chunk, measured)."""
     chunks = _chunks(x, shape)
-    grad = torch.is_grad_enabled() and x.requires_grad and len(chunks) > 1
+    wanted = x.requires_grad or (isinstance(also, torch.Tensor) and also.requires_grad)
+    grad = torch.is_grad_enabled() and wanted and len(chunks) > 1
     for rows in chunks:
 
         def part(rows=rows):
-            return fn(x._at((Ellipsis, rows, slice(None))))
+            if grad:  # (run again in the backward: each chunk's pages given back first)
+                release_freed()
+            t = x._at((Ellipsis, rows, slice(None)))
+            return fn(t) if also is None else fn(t, rows)
 
         take(rows, checkpoint(part, use_reentrant=False) if grad else part())
 
@@ -998,7 +1013,82 @@ def _matmul(a: object, b: object) -> torch.Tensor:
             return (w @ a[:, None])[..., 0]
         if isinstance(a, torch.Tensor) and a.ndim >= 2:
             return (w @ a.mT).mT
+    if isinstance(a, LazyExpr) and _plain(b) and (meta := _product_meta(a, b)) is not None:
+        pushed = _head_reduced_product(a, b, left=True)
+        return pushed if pushed is not None else _rows_times(a, b, meta)
+    if isinstance(b, LazyExpr) and _plain(a) and (meta := _product_meta(a, b)) is not None:
+        pushed = _head_reduced_product(b, a, left=False)
+        return pushed if pushed is not None else _times_rows(a, b, meta)
     return on_dense(torch.matmul, (a, b), {})
+
+
+def _plain(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, Lazy) and x.ndim >= 1
+
+
+def _product_meta(a: object, b: object) -> torch.Tensor | None:
+    """torch.matmul's result on meta tensors (its shape and dtype), or None where torch
+    refuses the operands or the weights' dims are not (..., L, S) (the dense path then
+    raises torch's error)."""
+    x = a if isinstance(a, LazyExpr) else b
+    shape = x._shape()
+    if len(shape) < 2 or 0 in shape:
+        return None
+    ma, mb = _meta(a), _meta(b)
+    if ma.dtype != mb.dtype:  # (meta tensors do not check it)
+        return None
+    try:
+        return torch.matmul(ma, mb)
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _head_reduced_product(x: LazyExpr, other: torch.Tensor, left: bool) -> torch.Tensor | None:
+    """x @ other (left) or other @ x for x a sum or mean of the weights over leading dims
+    (the head mean w.mean(1)): the weights' own product per head, reduced after
+    (u @ mean_h w = mean_h u @ w_h), where that per-head result is small (within
+    lazy_chunk_bytes: a few probe rows or value columns); else None."""
+    how, w = x._func, x._args[0] if x._args else None
+    if not isinstance(how, LeadReduction) or how.name not in _SUMS or isinstance(w, LazyExpr):
+        return None
+    vector = other.ndim == 1
+    o = other if not vector else (other[:, None] if left else other[None, :])
+    nd = len(metadata(T.size, (w,), {}))
+    if o.ndim > nd - (0 if how.keepdim else len(how.dims)):
+        return None
+    o = o.reshape((1,) * (nd - len(how.dims) * (not how.keepdim) - o.ndim) + tuple(o.shape))
+    if not how.keepdim:
+        for d in how.dims:  # (ascending: each lands where w has it)
+            o = o.unsqueeze(d)
+    per_head = torch.matmul(_meta(w), _meta(o)) if left else torch.matmul(_meta(o), _meta(w))
+    if per_head.numel() * per_head.element_size() > settings.get().lazy_chunk_bytes:
+        return None
+    out = how(w @ o if left else o @ w)
+    return out if not vector else (out[..., 0] if left else out[..., 0, :])
+
+
+def _rows_times(x: LazyExpr, b: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """x @ b for a plain b (S,) or (..., S, F): each chunk of x's query rows times b, the
+    answers side by side; every row of x evaluated once (a head mean inside reads each
+    head's rows once), nothing L x S held. meta: the product on meta tensors."""
+    _result_fits(tuple(meta.shape), meta.dtype, "`matmul`")
+    take = _Rows(meta.ndim - (1 if b.ndim == 1 else 2), x._shape()[-2])
+    _each_chunk(x, x._shape(), lambda t, rows: torch.matmul(t, b), take, also=b)
+    return take.result()
+
+
+def _times_rows(u: torch.Tensor, x: LazyExpr, meta: torch.Tensor) -> torch.Tensor:
+    """u @ x for a plain u (L,) or (..., F, L): the sum over chunks of x's query rows of
+    u's columns there times those rows; every row of x evaluated once, nothing L x S
+    held. meta: the product on meta tensors."""
+    _result_fits(tuple(meta.shape), meta.dtype, "`matmul`")
+    take = _Combined("sum")
+
+    def part(t: torch.Tensor, rows: slice) -> torch.Tensor:
+        return torch.matmul(u[..., rows], t)
+
+    _each_chunk(x, x._shape(), part, take, also=u)
+    return take.out
 
 
 def _transpose_read(func: Callable) -> Callable:
