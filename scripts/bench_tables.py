@@ -143,6 +143,42 @@ def kvpress(results: Path) -> str:
     return "\n".join(lines) + "\n\n" + _source("kvpress.json", kv["environment"])
 
 
+def distill(results: Path) -> str:
+    """benchmarks/bench_distill.py's rows: a distillation step against eager's, per size."""
+    data = _load(results, "distill.json")
+
+    def figure(v: object, spec: str) -> str:  # (a number, "fails", or None: not measured)
+        return format(v, spec) if isinstance(v, int | float) else "-" if v is None else str(v)
+
+    lines = [
+        "| batch x tokens | padding | ours ms | eager ms | time ours / eager "
+        "| peak MiB ours / eager | memory ours / eager | step 0 loss / grads | 10-step curve "
+        "| targets |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for r in data["results"]:
+        c = r.get("correctness") or {}
+        step0 = c.get("step0")
+        curve = c.get("curve")
+        errs = "-"
+        if step0:
+            errs = f"{step0['loss_rel_err']:.0e} / {step0['grad_rel_err_max']:.0e}"
+        met = ", ".join(
+            f"{t['what']} <= {t['limit']:g} {'met' if t['met'] else 'missed'}"
+            for t in r.get("targets", [])
+        )
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        memory = figure(r["memory_ratio"], ".2f")
+        lines.append(
+            f"| {r['size']} | {r['padded_fraction']:.0%} | {figure(r['ours_ms'], '.0f')} "
+            f"| {figure(r['eager_ms'], '.0f')} | {ratio} "
+            f"| {figure(r['ours_peak_mib'], '.0f')} / {figure(r['eager_peak_mib'], '.0f')} "
+            f"| {memory} | {errs} | {'-' if not curve else format(curve['rel_err_max'], '.0e')} "
+            f"| {met or '-'} |"
+        )
+    return "\n".join(lines) + "\n\n" + _source("distill.json", data["environment"])
+
+
 def ring(results: Path) -> str:
     path = ROOT / "benchmarks" / "bench_ring.py"
     spec = importlib.util.spec_from_file_location("bench_ring", path)
@@ -255,6 +291,8 @@ TABLES: dict[str, Table] = {
     "train-16384": comparisons("train_16384.json"),
     "interp": comparisons("interp.json"),
     "interp-8192": comparisons("interp_8192.json"),
+    "distill": distill,
+    "rollout": comparisons("rollout.json"),
     "kvpress": kvpress,
     "ring": ring,
     "view": view,

@@ -45,7 +45,7 @@ def _malloc_trim():
     """glibc's malloc_trim, or None (another C library)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # (TypeError: CDLL(None) on Windows)
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
