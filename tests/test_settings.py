@@ -168,10 +168,13 @@ def test_the_small_backend_reads_the_settings(gen):
 
 
 def test_the_weights_engine_reads_the_chunk_budget(gen):
-    """A budget of a few rows cuts the weights into many tiles: same answers."""
+    """A budget of a few rows cuts the weights into many tiles: a read's backward into
+    tiles of the budget, its forward (a single-pass statistic) into tiles of up to 4x it
+    (rows.stat_budget); the same answers."""
     from sdpa import rows
 
     q, k, v, mask = make_inputs(gen, Hq=2, L=40, S=50, mask_kind="float")
+    q.requires_grad_()
     w = sdpa.attention(q, k, v, mask).weights
     calls = []
     real = rows.Source.tile
@@ -180,13 +183,20 @@ def test_the_weights_engine_reads_the_chunk_budget(gen):
         calls.append((len(t.heads), t.at_r.stop - t.at_r.start))
         return real(source, t)
 
-    ref = oracle(q, k, v, mask)[1]
+    q64 = q.detach().double().requires_grad_()
+    ref = oracle(q64, k.double(), v.double(), mask)[1].sum(-2)
     with settings.override(chunk_bytes=5 * 50 * 4), pytest.MonkeyPatch.context() as mp:
         mp.setattr(rows.Source, "tile", counting)
         sums = w.sum(dim=-2)
-    calls = [n for heads, n in calls if heads == 1]
-    assert max(calls) == 5 and len(calls) == 2 * 2 * 8  # 5 rows of one head per tile
-    torch.testing.assert_close(sums.double(), ref.sum(-2), atol=1e-4, rtol=0)
+        forward, calls[:] = list(calls), []
+        sums.square().sum().backward()
+    forward = [n for heads, n in forward if heads == 1]
+    backward = [n for heads, n in calls if heads == 1]
+    assert max(forward) == 20 and len(forward) == 2 * 2 * 2  # 20 rows of one head a tile
+    assert max(backward) == 5 and len(backward) == 2 * 2 * 8  # 5 rows of one head a tile
+    torch.testing.assert_close(sums.double(), ref, atol=1e-4, rtol=0)
+    (want,) = torch.autograd.grad(ref.square().sum(), q64)
+    torch.testing.assert_close(q.grad.double(), want, atol=1e-4, rtol=1e-4)
 
 
 # -- the rules, each in one place --------------------------------------------------------
