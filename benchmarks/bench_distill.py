@@ -760,22 +760,49 @@ def _num(x, fmt: str, width: int) -> str:
     return f"{x:>{width}{fmt}}"
 
 
-def line(row: dict) -> str:
-    """One row of the table, fixed width."""
+def _checks(row: dict) -> tuple[str, str, str]:
+    """The row's step-0 errors (loss / gradients), curve error and target verdicts."""
     c = row["correctness"]
     step0 = "-" if c is None else (
         f"{c['step0']['loss_rel_err']:.0e} / {c['step0']['grad_rel_err_max']:.0e}"
     )  # fmt: skip
     curve = "-" if c is None else f"{c['curve']['rel_err_max']:.0e}"
-    load = f"{row['load_avg']:.2f}{'L' if row['load'] else ''}{'r' if row['rerun'] else ''}"
     said = {True: "met", False: "MISSED", None: "not measured"}
     verdicts = ", ".join(f"{t['what']} <= {t['limit']:g} {said[t['met']]}" for t in row["targets"])
+    return step0, curve, verdicts
+
+
+def line(row: dict) -> str:
+    """One row of the table, fixed width."""
+    step0, curve, verdicts = _checks(row)
+    load = f"{row['load_avg']:.2f}{'L' if row['load'] else ''}{'r' if row['rerun'] else ''}"
     return (
         f"{row['size']:>7}  {row['padded_fraction']:>4.0%}  {_num(row['ours_ms'], '.1f', 9)}  "
         f"{_num(row['eager_ms'], '.1f', 9)}  {_num(row['ratio'], '.3f', 6)}  "
         f"{_num(row['ours_peak_mib'], '.1f', 9)}  {_num(row['eager_peak_mib'], '.1f', 9)}  "
         f"{_num(row['memory_ratio'], '.3f', 6)}  {load:>5}  {step0:>17}  {curve:>7}  {verdicts}"
     )
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table as Markdown (the training guide's, through scripts/bench_tables.py)."""
+    out = [
+        "| batch x tokens | padding | ours ms | eager ms | time ours / eager "
+        "| peak MiB ours / eager | memory ours / eager | step 0 loss / grads | 10-step curve "
+        "| targets |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for row in rows:
+        step0, curve, verdicts = _checks(row)
+        cell = [_num(row[f], f".{d}f", 0).strip() for f, d in (
+            ("ours_ms", 0), ("eager_ms", 0), ("ratio", 2), ("ours_peak_mib", 0),
+            ("eager_peak_mib", 0), ("memory_ratio", 2))]  # fmt: skip
+        out.append(
+            f"| {row['size']} | {row['padded_fraction']:.0%} | {cell[0]} | {cell[1]} | "
+            f"{cell[2]} | {cell[3]} / {cell[4]} | {cell[5]} | {step0} | {curve} "
+            f"| {verdicts or '-'} |"
+        )
+    return "\n".join(out)
 
 
 def notes(rows: list[dict]) -> list[str]:

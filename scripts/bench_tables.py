@@ -11,9 +11,9 @@ A table lives in README.md or a page of docs/ between two marker comments:
 
 NAME is a key of TABLES. Nothing between the markers is typed by hand: an edit there,
 or a results file that changed since, makes `--check` (and tests/test_docs.py) fail
-until this script is run again. The comparison tables use `sdpa.benchmark.markdown` and
-the ring table `benchmarks/bench_ring.py`'s, so each reads as the benchmark's own
-`--markdown` prints it.
+until this script is run again. The comparison tables use `sdpa.benchmark.markdown`,
+the ring and distillation tables their benchmark's own `markdown`, so each reads as its
+benchmark writes it.
 """
 
 from __future__ import annotations
@@ -143,49 +143,25 @@ def kvpress(results: Path) -> str:
     return "\n".join(lines) + "\n\n" + _source("kvpress.json", kv["environment"])
 
 
+def _benchmark(name: str):
+    """benchmarks/NAME.py loaded as a module, for its own markdown()."""
+    path = ROOT / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def distill(results: Path) -> str:
-    """benchmarks/bench_distill.py's rows: a distillation step against eager's, per size."""
     data = _load(results, "distill.json")
-
-    def figure(v: object, spec: str) -> str:  # (a number, "fails", or None: not measured)
-        return format(v, spec) if isinstance(v, int | float) else "-" if v is None else str(v)
-
-    lines = [
-        "| batch x tokens | padding | ours ms | eager ms | time ours / eager "
-        "| peak MiB ours / eager | memory ours / eager | step 0 loss / grads | 10-step curve "
-        "| targets |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
-    ]
-    for r in data["results"]:
-        c = r.get("correctness") or {}
-        step0 = c.get("step0")
-        curve = c.get("curve")
-        errs = "-"
-        if step0:
-            errs = f"{step0['loss_rel_err']:.0e} / {step0['grad_rel_err_max']:.0e}"
-        met = ", ".join(
-            f"{t['what']} <= {t['limit']:g} {'met' if t['met'] else 'missed'}"
-            for t in r.get("targets", [])
-        )
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        memory = figure(r["memory_ratio"], ".2f")
-        lines.append(
-            f"| {r['size']} | {r['padded_fraction']:.0%} | {figure(r['ours_ms'], '.0f')} "
-            f"| {figure(r['eager_ms'], '.0f')} | {ratio} "
-            f"| {figure(r['ours_peak_mib'], '.0f')} / {figure(r['eager_peak_mib'], '.0f')} "
-            f"| {memory} | {errs} | {'-' if not curve else format(curve['rel_err_max'], '.0e')} "
-            f"| {met or '-'} |"
-        )
-    return "\n".join(lines) + "\n\n" + _source("distill.json", data["environment"])
+    table = _benchmark("bench_distill").markdown(data["results"])
+    return table + "\n\n" + _source("distill.json", data["environment"])
 
 
 def ring(results: Path) -> str:
-    path = ROOT / "benchmarks" / "bench_ring.py"
-    spec = importlib.util.spec_from_file_location("bench_ring", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     data = _load(results, "ring.json")
-    return module.markdown(data["results"]) + "\n\n" + _source("ring.json", data["environment"])
+    table = _benchmark("bench_ring").markdown(data["results"])
+    return table + "\n\n" + _source("ring.json", data["environment"])
 
 
 def view(results: Path) -> str:

@@ -66,3 +66,20 @@ def test_hand_loss_is_sdpa_losses_formula_with_padding(gen, bench):
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
     assert hand.item() > 0
+
+
+def test_the_markdown_table_says_what_was_not_measured(bench):
+    """A target whose figure was not measured (--no-memory) reads "not measured", not
+    "missed"; eager's failure and a missing figure read "fails" and "-"."""
+    row = {
+        "size": "1x4096", "padded_fraction": 0.0, "ours_ms": 8910.0, "eager_ms": "fails",
+        "ratio": None, "ours_peak_mib": 521.0, "eager_peak_mib": "fails", "memory_ratio": None,
+        "correctness": None,
+        "targets": [{"what": "time / eager", "limit": 0.6, "met": None},
+                    {"what": "peak memory / eager", "limit": 0.2, "met": True}],
+    }  # fmt: skip
+    last = bench.markdown([row]).splitlines()[-1]
+    assert last == (
+        "| 1x4096 | 0% | 8910 | fails | - | 521 / fails | - | - | - "
+        "| time / eager <= 0.6 not measured, peak memory / eager <= 0.2 met |"
+    )
