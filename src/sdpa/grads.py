@@ -106,7 +106,7 @@ def backward(
         if dk is not None:
             qf = q.to(cd).reshape(1, kv, (h // kv) * r, -1)
             kv0 = t.heads.start // group
-            dk[t.b, kv0 : kv0 + kv].baddbmm_(folded[0].mT, qf[0])  # (kv, S, E), in place
+            dk[t.b, kv0 : kv0 + kv, t.keys].baddbmm_(folded[0].mT, qf[0])  # (kv, S, E), in place
     return dq, dk, dmask, dsinks
 
 
@@ -122,6 +122,8 @@ def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, t: rows.Tile, hs: slic
     if dmask.shape[3] == 1:
         part = part.sum(dim=3, keepdim=True)
     target = dmask[b, heads]
+    if dmask.shape[3] != 1 and t.keys != rows.ALL:
+        target = target[..., t.keys]  # (the tile's key span)
     if dmask.shape[2] == 1:
         target.add_(part.sum(dim=2, keepdim=True))
     elif isinstance(t.q_rows, slice):
@@ -340,19 +342,25 @@ def _place(g: torch.Tensor, t: rows.TileRows) -> torch.Tensor:
     return g[w.at_b : w.at_b + 1, w.at_h, w.at_r]
 
 
+def _on_keys(pg: torch.Tensor, t: rows.TileRows) -> torch.Tensor:
+    """The tile's key span (rows.Tile.keys) of a tensor laid out over every key (..., S)."""
+    keys = t.where.keys
+    return pg if keys == rows.ALL else pg[..., keys]
+
+
 def rows_rule(keys: slice | torch.Tensor) -> Rule:
     """Dense rows (full(), indexing): R = P[rows][:, keys]; G = g at those keys."""
 
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         gt = _place(g, t)  # (1, h, r, m)
         if isinstance(keys, slice) and keys == rows.ALL:
-            return t.p * gt
-        out = torch.zeros_like(t.p)
+            return t.p * _on_keys(gt, t)
+        out = t.p.new_zeros(*t.p.shape[:-1], t.S)  # (over every key, then the tile's)
         if isinstance(keys, slice):
             out[..., keys] = gt
         else:
             out.index_add_(-1, keys, gt)  # (repeated keys add up, as indexing's backward)
-        return out.mul_(t.p)
+        return _on_keys(out, t).mul_(t.p)
 
     return softmax_rule(pg)
 
@@ -362,7 +370,7 @@ def key_sums_rule(scale: float = 1.0) -> Rule:
 
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         w = t.where
-        return t.p * (g[w.at_b : w.at_b + 1, w.at_h][:, :, None, :] * scale)
+        return t.p * (_on_keys(g[w.at_b : w.at_b + 1, w.at_h], t)[:, :, None, :] * scale)
 
     return softmax_rule(pg)
 
@@ -394,7 +402,12 @@ def topk_rule(indices: torch.Tensor) -> Rule:
 
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(t.p)
-        out.scatter_add_(-1, _place(indices, t), _place(g, t))
+        keys, gt = _place(indices, t), _place(g, t)
+        if t.where.keys != rows.ALL:  # into the span; keys outside it have weight 0
+            keys = keys - t.where.keys.start
+            outside = (keys < 0) | (keys >= out.shape[-1])
+            keys, gt = keys.masked_fill(outside, 0), gt.masked_fill(outside, 0.0)
+        out.scatter_add_(-1, keys, gt)
         return out.mul_(t.p)
 
     return softmax_rule(pg)
@@ -418,10 +431,12 @@ def pairs_rule(qi: torch.Tensor, kj: torch.Tensor, S: int) -> Rule:
         w = t.where
         b = w.b if qi.shape[0] > 1 else 0
         r0, r1 = w.q_rows.start, w.q_rows.stop  # (every-row selections: a slice)
-        inside = (qi[b] >= r0) & (qi[b] < r1)
-        flat = (qi[b][inside] - r0) * S + kj[b][inside]
+        k0, k1 = (0, S) if w.keys == rows.ALL else (w.keys.start, w.keys.stop)
+        inside = (qi[b] >= r0) & (qi[b] < r1) & (kj[b] >= k0) & (kj[b] < k1)  # (others: 0)
+        m = k1 - k0
+        flat = (qi[b][inside] - r0) * m + kj[b][inside] - k0
         gt = g[w.at_b : w.at_b + 1, w.at_h][..., inside]  # (1, h, P')
-        out = torch.zeros(*t.p.shape[:2], t.p.shape[2] * S, dtype=t.p.dtype, device=t.p.device)
+        out = torch.zeros(*t.p.shape[:2], t.p.shape[2] * m, dtype=t.p.dtype, device=t.p.device)
         out.index_add_(-1, flat, gt.to(t.p.dtype))
         return out.view(t.p.shape).mul_(t.p)
 
@@ -469,7 +484,7 @@ def weighted_rows_rule(u: torch.Tensor) -> Rule:
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         w = t.where
         ut = u[w.at_b : w.at_b + 1, w.at_h][..., w.at_r].to(t.p.dtype)  # (1, h, F, r)
-        gt = g[w.at_b : w.at_b + 1, w.at_h].to(t.p.dtype)  # (1, h, F, S)
+        gt = _on_keys(g[w.at_b : w.at_b + 1, w.at_h], t).to(t.p.dtype)  # (1, h, F, S)
         return torch.matmul(ut.mT, gt).mul_(t.p)
 
     return softmax_rule(pg)

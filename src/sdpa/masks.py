@@ -23,6 +23,7 @@ from sdpa.errors import SdpaTypeError, SdpaValueError
 EMPTY, PARTIAL, FULL = 0, 1, 2  # block occupancy
 ALIGNS = ("bottom-right", "top-left")
 Spans = list[list[tuple[int, int, bool]]]  # (Bm, nQ) of (lo, hi, partial): Mask.spans
+KeySpan = tuple[int, int, bool]  # (lo, hi, full): key_spans
 
 
 def visible(i: torch.Tensor, j: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -86,6 +87,12 @@ class Mask:
         the keys a query block sees need not be one span (documents, `|`). Exact for
         causal and sliding_window (the same plan as `blocks`), and for padding with
         lengths on the CPU; `&` is sound (partial where either side is)."""
+        return None
+
+    def key_spans(self, S: int) -> list[KeySpan] | None:
+        """Per batch element (Bm), the keys [lo, hi) outside which no query sees a key and
+        whether every query sees every key inside (full), from the host alone (see
+        `key_spans`); None where this mask has no such span to give (the default)."""
         return None
 
     def keep_pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor, L: int, S: int) -> torch.Tensor:
@@ -363,8 +370,8 @@ def from_state(state: object) -> object:
     if kind == "band":
         top_left = (TOP_LEFT.size, TOP_LEFT.align, TOP_LEFT._name)
         return TOP_LEFT if tuple(args) == top_left else _Band(*args)
-    if kind == "padding":
-        return _Padding(args[0])
+    if kind == "padding":  # (loaded: a real tensor, on the host where it is on the CPU)
+        return _Padding(args[0], args[0].tolist() if args[0].is_cpu else None)
     if kind == "documents":
         return _Documents(*args)
     if kind == "combined":
@@ -409,9 +416,10 @@ def sliding_window(size: int, align: str = "bottom-right") -> Mask:
 
 
 class _Padding(Mask):
-    def __init__(self, lengths: torch.Tensor):
+    def __init__(self, lengths: torch.Tensor, host: list[int] | None = None):
         self.lengths = lengths
         self.batch = len(lengths)
+        self.host = host  # the lengths as a list, where the host has them (key_spans)
 
     def keep(self, q_pos, k_pos, L, S):
         lengths = self.lengths.to(k_pos.device, non_blocking=True)  # (a host copy: no sync)
@@ -419,6 +427,7 @@ class _Padding(Mask):
         return keep.expand(self.batch, len(q_pos), len(k_pos))
 
     def take(self, batch):
+        # (no host list: the batch indices may live on a device; no key spans then)
         return _Padding(self.lengths[batch.to(self.lengths.device, non_blocking=True)])
 
     def blocks(self, L, S, bq, bk):
@@ -430,6 +439,13 @@ class _Padding(Mask):
         out[k1[None, :] <= n] = FULL
         out[k0[None, :] >= n] = EMPTY
         return out[:, None, :].expand(self.batch, -(-L // bq), len(k0))
+
+    def key_spans(self, S):
+        """[0, n_b), every key of it seen by every query; None for lengths on a device
+        (reading them would sync)."""
+        if self.host is None:
+            return None
+        return [_span(0, min(n, S), True, S) for n in self.host]
 
     def spans(self, L, S, bq, bk):
         """Exact, from lengths on the CPU (None for lengths on a device: reading them
@@ -470,7 +486,7 @@ def padding(lengths: torch.Tensor | list[int]) -> Mask:
             )
     else:  # checked on the device (reading it here would sync the host)
         torch._assert_async((lengths >= 0).all(), "sdpa.masks.padding: lengths must be >= 0")
-    return _Padding(lengths.long())
+    return _Padding(lengths.long(), lengths.tolist() if lengths.is_cpu else None)
 
 
 def _int_tensor(name: str, value: object, works: str) -> torch.Tensor:
@@ -600,6 +616,12 @@ class _Combined(Mask):
         b = None if a is None else self.b.spans(L, S, bq, bk)
         return None if b is None else and_spans(a, b)
 
+    def key_spans(self, S):
+        """&: each side's span intersected (full where both are); | has none."""
+        if self.op != "and":
+            return None
+        return _and_key_spans(self.a.key_spans(S), self.b.key_spans(S), S)
+
     def blocks(self, L, S, bq, bk):
         """Sound, not exact: & takes the smaller occupancy (EMPTY < PARTIAL < FULL), | the
         larger; two PARTIAL children stay PARTIAL even where their Trues never meet (&,
@@ -609,6 +631,80 @@ class _Combined(Mask):
 
     def __repr__(self):
         return f"({self.a!r} {'&' if self.op == 'and' else '|'} {self.b!r})"
+
+
+def key_spans(mask: object, B: int, S: int) -> tuple[KeySpan, ...] | None:
+    """Per batch element (B of them), the keys [lo, hi) outside which no query of any head
+    sees a key, and whether every query sees every key inside (full: the mask has
+    nothing more to say there): key padding, right or left, made something to skip
+    rather than to mask. From the host alone, never by scanning a 4-D mask: padding's
+    lengths on the CPU, or a bool tensor on the CPU that is the same for every head and
+    query (a (B|1, 1, 1, S) mask, or one expanded from it, as transformers' padding masks
+    are: stride 0), read at its B x S distinct entries; parts of a mask ANDed intersect
+    (a part with no span leaves the others' spans, not full). An element that sees no
+    key gets (0, S, False): nothing skipped. None where no part gives a span (no mask, a
+    float mask, a mask varying over heads or queries, causality alone, a tensor on a
+    device, or while torch.compile traces)."""
+    tensor, structured = split(mask)
+    if torch.compiler.is_compiling():  # (a plan read from data cannot live in a graph)
+        return None
+    a = None if tensor is None else _tensor_key_spans(tensor, S)
+    b = None if structured is None else structured.key_spans(S)
+    if tensor is not None and structured is not None:
+        a = _and_key_spans(a, b, S)
+    elif a is None:
+        a = b
+    if a is None:
+        return None
+    if len(a) == 1 and B != 1:
+        a = a * B
+    return tuple(a) if len(a) == B else None
+
+
+def _span(lo: int, hi: int, full: bool, S: int) -> KeySpan:
+    """A key span, or (0, S, False) where it holds no key (nothing to skip there)."""
+    return (lo, hi, full) if hi > lo else (0, S, False)
+
+
+def _and_key_spans(
+    a: list[KeySpan] | None, b: list[KeySpan] | None, S: int
+) -> list[KeySpan] | None:
+    """Two parts' key spans ANDed (batch lists of length Bm or 1 broadcast; None: a part
+    with no span, every key, not full)."""
+    if a is None or b is None:
+        one = a if b is None else b
+        return None if one is None else [(lo, hi, False) for lo, hi, _ in one]
+    a, b = a * (len(b) if len(a) == 1 else 1), b * (len(a) if len(b) == 1 else 1)
+    if len(a) != len(b):
+        return None
+    out = []
+    for (lo_a, hi_a, full_a), (lo_b, hi_b, full_b) in zip(a, b, strict=True):
+        lo, hi = max(lo_a, lo_b), min(hi_a, hi_b)
+        out.append(_span(lo, hi, full_a and full_b, S) if lo < hi else (0, S, False))
+    return out
+
+
+def _tensor_key_spans(t: torch.Tensor, S: int) -> list[KeySpan] | None:
+    """The key spans of a bool tensor mask (B|1, H|1, L|1, S) that is the same for every
+    head and query (size 1 or stride 0 there), read on the host from its (B|1, S)
+    distinct entries; None for any other tensor (never scanned)."""
+    if t.dtype != torch.bool or not t.is_cpu or t.ndim != 4 or t.shape[-1] != S:
+        return None
+    for d in (1, 2):
+        if t.shape[d] != 1 and t.stride(d) != 0:
+            return None
+    keep = t[:, 0, 0, :]  # (B|1, S), a view
+    if S == 0:
+        return None
+    as_int = keep.to(torch.uint8)
+    lo = as_int.argmax(dim=-1)  # first key seen (0 where none)
+    hi = S - as_int.flip(-1).argmax(dim=-1)  # one past the last
+    seen = as_int.sum(dim=-1, dtype=torch.int64)
+    found = torch.stack([lo, hi, seen]).tolist()  # one host read (a CPU tensor)
+    return [
+        _span(lo, hi, n == hi - lo, S) if n > 0 else (0, S, False)
+        for lo, hi, n in zip(*found, strict=True)
+    ]
 
 
 def and_spans(a: Spans, b: Spans) -> Spans:

@@ -17,6 +17,12 @@ by the row max for rows whose |lse| is past `exact_lse_limit` (the LSE of such a
 has lost digits in float32). A tile over a selection of keys (reads over the key dim,
 pairs) cannot normalise its rows: p = exp(s - lse), and rows past the limit are read
 whole (`needs_every_key`).
+
+Key padding is skipped, not masked: a selection of complete rows carries each batch
+element's key span (`key_spans`: the keys [lo, hi) holding every key its rows see), its
+tiles cover only those keys (`Tile.keys`; the weights elsewhere are 0, placed by the
+readers) and leave the mask out where it is all True there (`is_open`). Two calls read
+on the same tiles (KL, score errors) share one span per element (`joint`).
 """
 
 from __future__ import annotations
@@ -53,12 +59,13 @@ class Rows(NamedTuple):
     heads: range
     rows: slice | torch.Tensor = ALL
     keys: slice | torch.Tensor = ALL
+    spans: tuple[masks.KeySpan, ...] | None = None  # per batch element (of B): see key_spans
 
     @classmethod
     def every(cls, inputs: Inputs, lse: torch.Tensor) -> Rows:
-        """Every row of every batch element and head."""
+        """Every row of every batch element and head, its key padding skipped (key_spans)."""
         B, Hq = inputs.query.shape[:2]
-        return cls(inputs, lse, range(B), range(Hq))
+        return cls(inputs, lse, range(B), range(Hq), spans=key_spans(inputs))
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -84,9 +91,50 @@ def _count(index: slice | torch.Tensor, n: int) -> int:
     return len(index) if isinstance(index, torch.Tensor) else len(range(*index.indices(n)))
 
 
+# Key padding is looked for (a host read of B x S mask entries, tens of microseconds)
+# only where a call's scores number at least this many: below it, there is little to skip.
+SPAN_MIN_SCORES = 1 << 16
+
+
+def key_spans(inputs: Inputs) -> tuple[masks.KeySpan, ...] | None:
+    """The call's key spans (masks.key_spans: per batch element, the keys [lo, hi) that
+    hold every key its rows see, and whether the mask is all True there), decided from
+    shapes in O(1) first: None without a mask or below SPAN_MIN_SCORES. The tiles of
+    complete rows then cover only those keys, and skip the mask where it is all True:
+    the padded keys' weights are 0 and cost nothing."""
+    mask = inputs.mask
+    if mask is None:
+        return None
+    B, H, L, _ = inputs.query.shape
+    S = inputs.key.shape[2]
+    if B * H * L * S < SPAN_MIN_SCORES:
+        return None
+    return masks.key_spans(mask, B, S)
+
+
+def joint(a: Rows, b: Rows) -> tuple[Rows, Rows]:
+    """Two selections read on the same tiles (KL, score errors: one side's tiles read with
+    the other's), their key spans made one: per batch element the smallest span holding
+    both (full on a side where its own span is that one and full). A side with no spans
+    makes both read every key."""
+    if a.spans is None or b.spans is None:
+        return a._replace(spans=None), b._replace(spans=None)
+    both = [(min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(a.spans, b.spans, strict=True)]
+
+    def mine(own):
+        return tuple(
+            (lo, hi, s[2] and (s[0], s[1]) == (lo, hi))
+            for (lo, hi), s in zip(both, own, strict=True)
+        )
+
+    return a._replace(spans=mine(a.spans)), b._replace(spans=mine(b.spans))
+
+
 class Tile(NamedTuple):
     """One piece of work: batch element `b` (at `at_b` in the output), query heads
-    `heads` (at `at_h`), rows `rows` of the selection (positions `q_rows`)."""
+    `heads` (at `at_h`), rows `rows` of the selection (positions `q_rows`), of complete
+    rows the keys `keys` (ALL, or the element's key span: every key its rows see; the
+    weights at the others are 0)."""
 
     at_b: int
     b: int
@@ -94,6 +142,18 @@ class Tile(NamedTuple):
     heads: range
     at_r: slice
     q_rows: slice | torch.Tensor
+    keys: slice = ALL
+
+
+def width(r: Rows, t: Tile) -> int:
+    """How many keys tile t has."""
+    return r.shape[3] if t.keys == ALL else t.keys.stop - t.keys.start
+
+
+def is_open(r: Rows, t: Tile) -> bool:
+    """Whether r's mask is all True over tile t's keys (its span is full: the mask is not
+    applied there, and every row sees a key). Asked of each side of a joint read."""
+    return r.spans is not None and r.complete and r.spans[t.b][2]
 
 
 def _head_blocks(r: Rows) -> list[tuple[int, range]]:
@@ -114,21 +174,41 @@ def _sub_rows(rows: slice | torch.Tensor, L: int, r0: int, r1: int) -> slice | t
     return slice(start + r0 * step, start + r1 * step, step)
 
 
+def _step(r: Rows, m: int, budget: int) -> tuple[bool, int]:
+    """(whole, rows per tile) of tiles over m keys: a whole batch element (all selected
+    heads and rows) when it fits in `budget` bytes, else row chunks of one head."""
+    _, H, n, _ = r.shape
+    whole = tile.chunk_rows(H, m, r.dtype, budget=budget) >= n
+    return whole, n if whole else tile.chunk_rows(1, m, r.dtype, budget=budget)
+
+
+def _spans(r: Rows) -> list[slice]:
+    """The keys of each selected batch element's tiles: its key span where the selection
+    holds complete rows and the span leaves keys out, else ALL."""
+    m = r.shape[3]
+    if r.spans is None or not r.complete:
+        return [ALL] * len(r.batch)
+    return [ALL if hi - lo == m else slice(lo, hi) for lo, hi, _ in (r.spans[b] for b in r.batch)]
+
+
 def tiles(r: Rows, budget: int) -> Iterator[Tile]:
     """Tiles of at most `budget` bytes of weights: a whole batch element (all selected
-    heads and rows) when it fits, else row chunks of one head at a time."""
-    _, H, n, m = r.shape
+    heads and rows) when it fits, else row chunks of one head at a time; over each
+    element's key span (`Rows.spans`) where the selection holds complete rows."""
+    _, _, n, m = r.shape
     L = r.inputs.query.shape[2]
-    whole = tile.chunk_rows(H, m, r.dtype, budget=budget) >= n
-    step = n if whole else tile.chunk_rows(1, m, r.dtype, budget=budget)
-    blocks = _head_blocks(r) if whole else [(j, range(h, h + 1)) for j, h in enumerate(r.heads)]
-    for at_b, b in enumerate(r.batch):
-        for j, heads in blocks:
+    per_head = [(j, range(h, h + 1)) for j, h in enumerate(r.heads)]
+    folded = None
+    for at_b, (b, keys) in enumerate(zip(r.batch, _spans(r), strict=True)):
+        whole, step = _step(r, m if keys == ALL else keys.stop - keys.start, budget)
+        if whole and folded is None:
+            folded = _head_blocks(r)
+        for j, heads in folded if whole else per_head:
             for r0 in range(0, n, step):
                 r1 = min(n, r0 + step)
                 yield Tile(
                     at_b, b, slice(j, j + len(heads)), heads, slice(r0, r1),
-                    _sub_rows(r.rows, L, r0, r1),
+                    _sub_rows(r.rows, L, r0, r1), keys,
                 )  # fmt: skip
 
 
@@ -145,18 +225,21 @@ def operands(r: Rows, t: Tile):
     q = tile.cut(i.query[t.b : t.b + 1, hs], 2, t.q_rows)
     kv0 = t.heads.start // g
     kv1 = kv0 + 1 if len(t.heads) == 1 else t.heads.stop // g
-    k = tile.cut(i.key[t.b : t.b + 1, kv0:kv1], 2, r.keys)
+    keys = r.keys if t.keys == ALL else t.keys
+    k = tile.cut(i.key[t.b : t.b + 1, kv0:kv1], 2, keys)
     lse = tile.cut(r.lse[t.b : t.b + 1, hs], 2, t.q_rows)
     sinks = i.sinks
     if sinks is not None:
         sinks = sinks[t.b : t.b + 1, hs].detach()
         sinks = sinks if sinks.shape[-1] == 1 else tile.cut(sinks, 2, t.q_rows)
+    if is_open(r, t):  # the mask is all True over the tile's keys
+        return q, k, lse, sinks, None
     L, S = i.query.shape[2], i.key.shape[2]
     tensor, structured = masks.split(i.mask)
     if tensor is not None:
         tensor = tensor[t.b : t.b + 1] if tensor.shape[0] > 1 else tensor
         tensor = tensor[:, hs] if tensor.shape[1] > 1 else tensor
-    window = tile.window(masks.join(tensor, structured), L, S, t.q_rows, r.keys, q.device)
+    window = tile.window(masks.join(tensor, structured), L, S, t.q_rows, keys, q.device)
     if structured is not None and window.shape[0] > 1:  # a structured mask's batch
         window = window[t.b : t.b + 1]
     return q, k, lse, sinks, window
@@ -221,8 +304,10 @@ def scratch(r: Rows, budget: int) -> torch.Tensor:
     """One reusable buffer for the largest tile of `tiles(r, budget)` (fresh pages fault
     on every allocation); `in_tile` views it per tile."""
     _, H, n, m = r.shape
-    whole = tile.chunk_rows(H, m, r.dtype, budget=budget) >= n
-    size = H * n * m if whole else min(n, tile.chunk_rows(1, m, r.dtype, budget=budget)) * m
+    size = 0
+    for w in {m if keys == ALL else keys.stop - keys.start for keys in _spans(r)} or {m}:
+        whole, step = _step(r, w, budget)
+        size = max(size, H * n * w if whole else min(n, step) * w)
     return torch.empty(size, dtype=r.dtype, device=r.device)
 
 
@@ -248,7 +333,7 @@ def stat_budget(r: Rows) -> int:
 
 def in_tile(buffer: torch.Tensor, r: Rows, t: Tile) -> torch.Tensor:
     """A `scratch` buffer viewed as tile t's weights, (1, h, rows, keys)."""
-    shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, r.shape[3])
+    shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, width(r, t))
     return buffer[: math.prod(shape)].view(shape)
 
 
@@ -270,7 +355,7 @@ class Source:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def buffer(self, name: str, t: Tile) -> torch.Tensor:
-        """The buffer `name`, viewed as tile t's (1, h, rows, S)."""
+        """The buffer `name`, viewed as tile t's (1, h, rows, S')."""
         if name not in self._buffers:
             self._buffers[name] = scratch(self.r, self.budget)
         return in_tile(self._buffers[name], self.r, t)
@@ -280,9 +365,10 @@ class Source:
 
 
 class TileRows:
-    """One tile of a Source: `where` (the Tile), q (1, h, rows, E) and k (1, hkv, S, E),
-    `raw` the scores before the mask (softcap applied; (1, h, rows, S)), the weights
-    `p` and log-weights `logp` (1, h, rows, S), each computed when first read (rows
+    """One tile of a Source: `where` (the Tile), q (1, h, rows, E) and k (1, hkv, S', E)
+    (S' keys: the tile's, where.keys),
+    `raw` the scores before the mask (softcap applied; (1, h, rows, S')), the weights
+    `p` and log-weights `logp` (1, h, rows, S'), each computed when first read (rows
     normalised by their own sum, -inf log where a key is excluded), and the sink's share
     `p_sink` (1, h, rows) or None. A reader may consume p or logp in place once it no
     longer needs them. A NaN row is NaN at every key (whole_rows)."""
@@ -292,7 +378,10 @@ class TileRows:
     def __init__(self, source: Source, t: Tile):
         r = source.r
         self.where, self._source = t, source
+        # every row sees a key and the scores may be overwritten: no mask, or none here
+        self._clear = source.lean and (source.in_place or is_open(r, t))
         self.q, self.k, lse, sinks, window = operands(r, t)
+        self.S = r.inputs.key.shape[2]  # (every key of the call; k holds the tile's)
         self.raw = tile.scores(self.q, self.k, source.scoring, out=source.buffer("scores", t))
         capped = source.scoring.softcap is not None  # raw_grad reads the capped scores
         s = tile.exclude(self.raw.clone() if capped else self.raw, window)
@@ -321,7 +410,7 @@ class TileRows:
         it and this is the tile's last read of them, else the buffer `name`."""
         src = self._source
         last = not src.both or name == "logp"
-        if src.in_place and last:
+        if self._clear and last:
             if self._s is None:
                 raise RuntimeError("a Source made for one read was read twice (both=False)")
             out, self._s = self._s, None
@@ -332,7 +421,7 @@ class TileRows:
     def p(self) -> torch.Tensor:
         if self._p is None:
             s = self._s
-            every = self._source.in_place
+            every = self._clear
             self._p = tile.finish(s, lse=False, every_row_sees_a_key=every, out=self._into("p"))[0]
         return self._p
 
@@ -344,7 +433,7 @@ class TileRows:
                 return self._logp
             if self._source.both:
                 self.p  # noqa: B018 (p first: logp may then overwrite the scores)
-            s, every = self._s, self._source.in_place
+            s, every = self._s, self._clear
             out = self._into("logp")
             self._logp = tile.finish(s, lse=False, log=True, every_row_sees_a_key=every, out=out)[0]
         return self._logp
@@ -359,7 +448,8 @@ class DenseSource:
 
     def tile(self, t: Tile) -> DenseTile:
         hs = _heads_slice(t.heads)
-        return DenseTile(t, tile.cut(self.target[t.b : t.b + 1, hs], 2, t.q_rows))
+        target = tile.cut(self.target[t.b : t.b + 1, hs], 2, t.q_rows)
+        return DenseTile(t, target if t.keys == ALL else target[..., t.keys])
 
 
 class DenseTile(NamedTuple):
@@ -389,12 +479,17 @@ def dense(r: Rows) -> torch.Tensor:
     """The weights of the selection, (B', H', n, m)."""
     if empty(*r.shape):
         return torch.zeros(r.shape, dtype=r.dtype, device=r.device)
-    out = torch.empty(r.shape, dtype=r.dtype, device=r.device)
+    skips = r.spans is not None and r.complete  # (the skipped keys' weights: 0)
+    out = (torch.zeros if skips else torch.empty)(r.shape, dtype=r.dtype, device=r.device)
     budget = settings.get().chunk_bytes
     buffer = scratch(r, budget) if r.complete else None
     for t in tiles(r, budget):
         into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
-        weights(r, t, into, None if buffer is None else in_tile(buffer, r, t))
+        scr = None if buffer is None else in_tile(buffer, r, t)
+        if t.keys == ALL:
+            weights(r, t, into, scr)
+        else:  # (the tile rule writes its out= buffers as contiguous ones)
+            into[..., t.keys] = weights(r, t, None, scr)
     return out
 
 
@@ -407,7 +502,7 @@ def key_sums(r: Rows) -> torch.Tensor:
     out = torch.zeros(B, H, m, dtype=wide, device=r.device)
     for tr in each(r, budget=stat_budget(r)):
         t = tr.where
-        out[t.at_b : t.at_b + 1, t.at_h] += tr.p.sum(dim=-2)
+        out[t.at_b : t.at_b + 1, t.at_h, t.keys] += tr.p.sum(dim=-2)
     return out.to(r.dtype)
 
 
@@ -456,13 +551,16 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if empty(*r.shape):
         return values, indices
     r = r._replace(keys=ALL)
+    if r.spans is not None and any(hi - lo < k for lo, hi, _ in r.spans):
+        r = r._replace(spans=None)  # (k past a span: the padded keys' ties, as torch.topk's)
     budget = stat_budget(r)
     buffer = scratch(r, budget)
     ties = r.inputs.mask is not None  # (a mask's -inf keys tie: torch.topk's choice)
     for t in tiles(r, budget):
         at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
         shifted, c, sinks = _shifted(r, t, in_tile(buffer, r, t))
-        top, indices[at] = shifted.topk(k, dim=-1) if ties else tile.top_keys(shifted, k)
+        top, found = shifted.topk(k, dim=-1) if ties else tile.top_keys(shifted, k)
+        indices[at] = found if t.keys == ALL else found.add_(t.keys.start)
         total = tile.exponentiate(shifted, c, sinks)[1]  # (in place: the scores are spent)
         values[at] = top.exp_().div_(total)
     return values, indices
@@ -506,7 +604,7 @@ def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
     for tr in each(r, budget=stat_budget(r)):
         t = tr.where
         ut = u[t.at_b : t.at_b + 1, t.at_h][..., t.at_r].to(r.dtype)  # (1, h, F, rows)
-        out[t.at_b : t.at_b + 1, t.at_h] += torch.matmul(ut, tr.p)  # p (1, h, rows, S)
+        out[t.at_b : t.at_b + 1, t.at_h, :, t.keys] += torch.matmul(ut, tr.p)  # p (1, h, rows, S')
     return out
 
 
@@ -517,7 +615,7 @@ def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     out = torch.empty(B, H, g.shape[2], n, dtype=r.dtype, device=r.device)
     for tr in each(r):
         t = tr.where
-        gt = g[t.at_b : t.at_b + 1, t.at_h].to(r.dtype)  # (1, h, F, S)
+        gt = g[t.at_b : t.at_b + 1, t.at_h, :, t.keys].to(r.dtype)  # (1, h, F, S)
         out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, tr.p.mT)
     return out
 

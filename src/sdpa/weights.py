@@ -457,7 +457,7 @@ class _Reads(Lazy):
         if isinstance(other, _Reads):
             other._check_fresh()
             o_inputs, o_lse = _aligned(other, head_map, i)
-            theirs = rows.Rows.every(o_inputs, o_lse)
+            mine, theirs = rows.joint(mine, rows.Rows.every(o_inputs, o_lse))
 
             def other_source(budget, both=False):
                 return rows.Source(theirs, budget, both)
@@ -468,7 +468,7 @@ class _Reads(Lazy):
                     "already has these weights' heads (*lead, L, S)"
                 )
             target = _dense_target(other, i)  # (B|1, Hq|1, L, S)
-            theirs = None
+            mine, theirs = mine._replace(spans=None), None  # (its mass may sit anywhere)
 
             def other_source(budget, both=False):
                 return rows.DenseSource(target)
@@ -523,7 +523,7 @@ class _Reads(Lazy):
         o_inputs, o_lse = _aligned(other, head_map, i, "score_errors")
         if self._shape_only or other._shape_only:
             return self._zeros(i.query.shape[2])
-        mine, theirs = self._every_row(), rows.Rows.every(o_inputs, o_lse)
+        mine, theirs = rows.joint(self._every_row(), rows.Rows.every(o_inputs, o_lse))
         with torch.no_grad(), no_autocast(self.device.type):
             value = rows.score_errors(mine, theirs)  # (B, Hq, L)
         sides = []

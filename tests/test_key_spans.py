@@ -1,0 +1,179 @@
+"""Key padding skipped, not masked (sdpa.masks.key_spans, the rows engine's key spans):
+every read and gradient over tiles cut to each batch element's span equals the same read
+over every key with the mask applied (the slow path, spans off) and the float64 oracle,
+under right, left and holed padding, fully padded elements, padding & causal, padding
+with a float bias, GQA, sinks, tiles cut on row-chunk edges, and joint reads (KL, score
+errors) between calls padded differently. A property test (hypothesis), not examples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sdpa
+from sdpa import masks, rows
+from sdpa import settings as sdpa_settings
+
+from oracle import oracle
+
+# chunk_bytes small enough that the tiles are row chunks of one head (block edges)
+CHUNKS = [None, 7 * 13 * 4]
+
+
+def _padding(kind: str, lengths: list[int], starts: list[int], B: int, S: int, L: int):
+    """A key-padding mask of one of the forms users hand over."""
+    keep = torch.zeros(B, S, dtype=torch.bool)
+    for b, (n, s0) in enumerate(zip(lengths, starts, strict=True)):
+        keep[b, s0 : s0 + n] = True
+    if kind == "bool (B,1,1,S)":
+        return keep[:, None, None, :]
+    if kind == "expanded (B,1,L,S)":  # as transformers' sdpa_mask hands it over
+        return keep[:, None, None, :].expand(B, 1, L, S)
+    if kind == "holes":
+        keep[:, 1::3] = False
+        return keep[:, None, None, :]
+    if kind == "padding()":
+        return masks.padding(lengths)
+    if kind == "padding() & causal":
+        return masks.padding(lengths) & masks.causal()
+    if kind == "bool & causal=True":
+        return keep[:, None, None, :]  # (with causal=True: a TensorAnd)
+    raise ValueError(kind)
+
+
+KINDS = [
+    "bool (B,1,1,S)",
+    "expanded (B,1,L,S)",
+    "holes",
+    "padding()",
+    "padding() & causal",
+    "bool & causal=True",
+]
+
+
+@st.composite
+def cases(draw):
+    B = draw(st.integers(1, 3))
+    Hkv = draw(st.integers(1, 2))
+    Hq = Hkv * draw(st.integers(1, 2))
+    S = draw(st.integers(2, 20))
+    L = draw(st.integers(1, 20))
+    kind = draw(st.sampled_from(KINDS))
+    causal = kind == "bool & causal=True"
+    if causal or kind == "padding() & causal":
+        L = S
+    right = kind.startswith("padding")
+    lengths = [draw(st.integers(0, S)) for _ in range(B)]
+    starts = [0 if right else draw(st.integers(0, S - n)) for n in lengths]
+    sinks = draw(st.booleans()) and not causal
+    chunk = draw(st.sampled_from(CHUNKS))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return B, Hq, Hkv, L, S, kind, lengths, starts, causal, sinks, chunk, seed
+
+
+def _reads(w, t, other, u: torch.Tensor):
+    """Every read that tiles complete rows, each as a differentiable tensor: t a teacher
+    with w's mask, other one padded otherwise (the joint span is the wider one)."""
+    k = min(3, w.shape[-1])
+    return {
+        "full": w.full(),
+        "sum over queries": w.sum(dim=-2),
+        "entropy": w.entropy(),
+        "amax": w.amax(dim=-1),
+        f"top-{k}": w.topk(k).values,
+        "top-k past a span": w.topk(w.shape[-1]).values,
+        "u @ w": u @ w,
+        "kl": w.kl(t),
+        "kl reverse": w.kl(t, reverse=True),
+        "score errors": w.score_errors(t),
+        "kl, other padding": w.kl(other),
+        "kl reverse, other padding": w.kl(other, reverse=True),
+        "score errors, other padding": w.score_errors(other),
+        "row": w[..., 0, :],
+    }
+
+
+def _run(case, spans: bool):
+    """(values, gradients of q, k, teacher q) of every read, with the spans on or off."""
+    B, Hq, Hkv, L, S, kind, lengths, starts, causal, sinks, chunk, seed = case
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, L, 8, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, S, 8, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, S, 8, generator=g)
+    qt = torch.randn(B, Hq, L, 8, generator=g, requires_grad=True)
+    u = torch.randn(B, Hq, 2, L, generator=g)
+    mask = _padding(kind, lengths, starts, B, S, L)
+    other_mask = masks.padding([max(1, S - n) for n in lengths])
+    if sinks:
+        mask = masks.sinks(torch.randn(Hq, 1, 1, generator=g), mask)
+    overrides = {} if chunk is None else {"chunk_bytes": chunk}
+    before = rows.SPAN_MIN_SCORES
+    rows.SPAN_MIN_SCORES = 0 if spans else 2**62
+    try:
+        with sdpa_settings.override(**overrides):
+            w = sdpa.attention(q, k, v, mask, causal=causal).weights
+            t = sdpa.attention(qt, k.detach(), v, mask, causal=causal).weights
+            other = sdpa.attention(qt, k.detach(), v, other_mask).weights
+            if spans:  # the fast path is taken where this test means it to be
+                assert rows.Rows.every(w._inputs, w._log_sum_exp()).spans is not None
+            out = {}
+            for name, value in _reads(w, t, other, u).items():
+                grads = torch.autograd.grad(
+                    value.sum(), [q, k, qt], allow_unused=True, materialize_grads=True
+                )
+                out[name] = (value.detach(), *grads)
+    finally:
+        rows.SPAN_MIN_SCORES = before
+    return out, (q, k, v, mask, causal)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_reads_over_key_spans_equal_the_masked_reads(case):
+    fast, _ = _run(case, spans=True)
+    slow, _ = _run(case, spans=False)
+    for name in slow:
+        for a, b, what in zip(
+            fast[name], slow[name], ("value", "dq", "dk", "dq teacher"), strict=True
+        ):
+            if what != "value" and not slow[name][0].isfinite().all():
+                break  # (an infinite KL, where one side sees a key the other does not,
+                # has no gradient to compare: 0 x inf, NaN or 0 by the order of the sum)
+            torch.testing.assert_close(
+                a, b, atol=2e-5, rtol=1e-5, equal_nan=True, msg=f"{name}: {what}"
+            )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_weights_over_key_spans_equal_the_oracle(kind):
+    """Padding on the left where the form allows it, one element fully padded, one not
+    at all, at sizes off every block edge."""
+    S = 13
+    causal = "causal" in kind
+    L = S if causal else 9
+    starts = [0, 0, 0] if kind.startswith("padding") else [6, 0, 0]
+    case = (3, 2, 1, L, S, kind, [5, 0, S], starts, kind == "bool & causal=True", False, None, 7)
+    fast, (q, k, v, mask, causal_flag) = _run(case, spans=True)
+    if isinstance(mask, masks.Mask):
+        mask = mask.materialize(L, S)  # (B, 1, L, S)
+    want = oracle(q.detach(), k.detach(), v, mask, causal=causal_flag)[1]
+    torch.testing.assert_close(fast["full"][0].double(), want, atol=2e-6, rtol=0)
+
+
+def test_key_spans_read_only_what_they_may():
+    """The forms recognised, each from O(B x S) entries or the host; None for the rest."""
+    keep = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)
+    spans = masks.key_spans(keep[:, None, None, :].expand(4, 2, 3, 4), 4, 4)
+    assert spans == ((0, 2, True), (1, 3, True), (0, 4, False), (0, 3, False))
+    assert masks.key_spans(masks.padding([3, 0, 9]), 3, 4) == (
+        (0, 3, True), (0, 4, False), (0, 4, True),
+    )  # fmt: skip
+    both = masks.key_spans(masks.padding([3, 4]) & masks.causal(), 2, 4)
+    assert both == ((0, 3, False), (0, 4, False))  # (causality still applies inside)
+    varies = torch.rand(2, 1, 3, 4) < 0.5  # a mask that varies over queries: not scanned
+    assert masks.key_spans(varies, 2, 4) is None
+    assert masks.key_spans(torch.zeros(2, 1, 1, 4), 2, 4) is None  # a float mask
+    assert masks.key_spans(masks.causal(), 2, 4) is None
+    assert masks.key_spans(None, 2, 4) is None
