@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sdpa
-from sdpa import masks, rows
+from sdpa import losses, masks, rows
 from sdpa import settings as sdpa_settings
 
 from oracle import oracle
@@ -177,3 +177,93 @@ def test_key_spans_read_only_what_they_may():
     assert masks.key_spans(torch.zeros(2, 1, 1, 4), 2, 4) is None  # a float mask
     assert masks.key_spans(masks.causal(), 2, 4) is None
     assert masks.key_spans(None, 2, 4) is None
+
+
+@st.composite
+def loss_cases(draw):
+    B, H = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    L = draw(st.integers(1, 20))
+    form = draw(st.sampled_from(["right", "left", "holes"]))
+    keep = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        n = draw(st.integers(0, L))
+        start = 0 if form == "right" else draw(st.integers(0, L - n))
+        keep[b, start : start + n] = True
+    if form == "holes":
+        keep[:, 1::4] = False
+    chunk = draw(st.sampled_from(CHUNKS))
+    return B, H, L, keep, chunk, draw(st.integers(0, 2**31 - 1))
+
+
+def _losses(case, skip: bool):
+    """(values, grads) of attention_kl and relation_kl ("none" and "mean") with the padded
+    query rows skipped (as sdpa.losses reads them) or computed."""
+    B, H, L, keep, chunk, seed = case
+    g = torch.Generator().manual_seed(seed)
+    q, k, qt, kt = (torch.randn(B, H, L, 8, generator=g, requires_grad=True) for _ in range(4))
+    mask = keep[:, None, None, :]
+    overrides = {} if chunk is None else {"chunk_bytes": chunk}
+    before = rows.real_rows
+    if not skip:
+        rows.real_rows = lambda r, keep: r
+    try:
+        with sdpa_settings.override(**overrides):
+            ws = sdpa.attention(q, k, k, mask).weights
+            wt = sdpa.attention(qt, kt, kt, mask).weights
+            out = {}
+            for reduction in ("none", "mean"):
+                for name, value in (
+                    ("attention_kl", losses.attention_kl(ws, wt, keep, reduction=reduction)),
+                    ("relation_kl", losses.relation_kl(q, qt, None, keep, reduction=reduction)),
+                ):
+                    grads = torch.autograd.grad(
+                        value.sum(), [q, k, qt, kt], allow_unused=True, materialize_grads=True
+                    )
+                    out[name, reduction] = (value.detach(), *grads)
+    finally:
+        rows.real_rows = before
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(loss_cases())
+def test_losses_skip_padded_queries_and_equal_the_full_reads(case):
+    """sdpa.losses read only the real query rows (attention_mask), left and right
+    padding and holes alike: the values and gradients of the rows computed in full."""
+    fast, slow = _losses(case, skip=True), _losses(case, skip=False)
+    for name in slow:
+        for a, b, what in zip(
+            fast[name], slow[name], ("value", "dq", "dk", "dqt", "dkt"), strict=True
+        ):
+            torch.testing.assert_close(
+                a, b, atol=2e-5, rtol=1e-5, equal_nan=True, msg=f"{name}: {what}"
+            )
+
+
+def test_skipped_rows_and_keys_are_never_computed(monkeypatch):
+    """What is skipped costs nothing: the tiles of a KL read over padded queries (declared
+    real rows) and padded keys hold only the real rows x real keys, and the rows left out
+    read as 0."""
+    B, H, L = 3, 2, 40
+    keep = torch.zeros(B, L, dtype=torch.bool)
+    keep[0, :25], keep[1, 10:40], keep[2, :40] = True, True, True  # right, left, none
+    q, k, qt, kt = (torch.randn(B, H, L, 8) for _ in range(4))
+    mask = keep[:, None, None, :]
+    monkeypatch.setattr(rows, "SPAN_MIN_SCORES", 0)
+    seen = []
+    operands = rows.operands
+
+    def counted(r, t):
+        got = operands(r, t)
+        seen.append(got[0].shape[1] * got[0].shape[2] * got[1].shape[2])  # heads x rows x keys
+        return got
+
+    monkeypatch.setattr(rows, "operands", counted)
+    ws = sdpa.attention(q, k, k, mask).weights
+    wt = sdpa.attention(qt, kt, kt, mask).weights
+    per_row = ws._kl(wt, real=keep)
+    real = keep.sum(-1)
+    assert sum(seen) == 2 * H * int((real * real).sum())  # (each side's tiles)
+    monkeypatch.setattr(rows, "operands", operands)
+    torch.testing.assert_close(per_row, ws.kl(wt).masked_fill(~keep[:, None], 0.0))
+    assert (per_row[~keep[:, None].expand(B, H, L)] == 0).all()

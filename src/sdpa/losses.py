@@ -60,13 +60,15 @@ def attention_kl(
     _check_reduction(reduction)
     _check_weights(student, "student")
     _check_weights(teacher, "teacher")
-    per_row = student.kl(teacher, head_map=head_map)  # (*lead, L)
-    if attention_mask is not None and per_row.ndim != 3:
+    shape = student._inputs.shape  # (*lead, L, S), read without torch's dispatch
+    if attention_mask is not None and len(shape) != 4:
         raise SdpaValueError(
             f"attention_mask (B, L) goes with weights (B, H, L, S), got weights of "
-            f"{per_row.ndim + 1} dims"
+            f"{len(shape)} dims"
         )
-    keep = _keep(attention_mask, per_row.shape[0], per_row.shape[-1])
+    keep = _keep(attention_mask, shape[0], shape[-2])
+    # (the padded rows weigh nothing here: the KL read skips them)
+    per_row = student._kl(teacher, head_map=head_map, real=keep)  # (*lead, L)
     return _reduce_rows(per_row, keep, reduction)
 
 
@@ -104,7 +106,7 @@ def relation_kl(
     mask = None if keep is None else keep[:, None, None, :]  # (B, 1, 1, L) key padding
     ws = attention(xs, xs, xs, mask).weights  # (B, A, L, L)
     wt = attention(xt, xt, xt, mask).weights
-    return _reduce_rows(ws.kl(wt), keep, reduction)
+    return _reduce_rows(ws._kl(wt, real=keep), keep, reduction)  # (padded rows skipped)
 
 
 def score_mse(

@@ -60,6 +60,10 @@ class Rows(NamedTuple):
     rows: slice | torch.Tensor = ALL
     keys: slice | torch.Tensor = ALL
     spans: tuple[masks.KeySpan, ...] | None = None  # per batch element (of B): see key_spans
+    # per batch element (of B), the rows [first, stop) a caller reads where it reads every
+    # row: the others it declares weightless (a loss's padded queries), read as 0 with
+    # gradient 0 and never computed (`real_rows`)
+    real: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def every(cls, inputs: Inputs, lse: torch.Tensor) -> Rows:
@@ -110,6 +114,19 @@ def key_spans(inputs: Inputs) -> tuple[masks.KeySpan, ...] | None:
     if B * H * L * S < SPAN_MIN_SCORES:
         return None
     return masks.key_spans(mask, B, S)
+
+
+def real_rows(r: Rows, keep: torch.Tensor | None) -> Rows:
+    """r reading only the real query rows that keep (B, L) bool marks (a tokenizer's
+    attention_mask on the CPU), each batch element's from its first to its last: the
+    other rows read as 0, with gradient 0, uncomputed. Only for a caller that gives the
+    padded rows no weight (a loss that masks them out). None, or keep off the CPU (read
+    it and the host would sync), keeps every row."""
+    if keep is None or not keep.is_cpu or r.real is not None:
+        return r
+    B, L = keep.shape
+    found = masks.key_spans(keep[:, None, None, :], B, L)  # (the span of the Trues)
+    return r if found is None else r._replace(real=tuple((lo, hi) for lo, hi, _ in found))
 
 
 def joint(a: Rows, b: Rows) -> tuple[Rows, Rows]:
@@ -174,38 +191,46 @@ def _sub_rows(rows: slice | torch.Tensor, L: int, r0: int, r1: int) -> slice | t
     return slice(start + r0 * step, start + r1 * step, step)
 
 
-def _step(r: Rows, m: int, budget: int) -> tuple[bool, int]:
-    """(whole, rows per tile) of tiles over m keys: a whole batch element (all selected
-    heads and rows) when it fits in `budget` bytes, else row chunks of one head."""
-    _, H, n, _ = r.shape
+def _step(r: Rows, n: int, m: int, budget: int) -> tuple[bool, int]:
+    """(whole, rows per tile) of tiles over n rows and m keys: a whole batch element (all
+    selected heads and rows) when it fits in `budget` bytes, else row chunks of one
+    head."""
+    H = r.shape[1]
     whole = tile.chunk_rows(H, m, r.dtype, budget=budget) >= n
     return whole, n if whole else tile.chunk_rows(1, m, r.dtype, budget=budget)
 
 
-def _spans(r: Rows) -> list[slice]:
-    """The keys of each selected batch element's tiles: its key span where the selection
-    holds complete rows and the span leaves keys out, else ALL."""
-    m = r.shape[3]
+def _spans(r: Rows) -> list[tuple[tuple[int, int], slice]]:
+    """((first, stop) of the rows, keys) of each selected batch element's tiles: every
+    selected row, or the element's real rows (`Rows.real`, where the selection holds
+    every row); its key span where the selection holds complete rows and the span
+    leaves keys out, else ALL."""
+    _, _, n, m = r.shape
+    every = r.real is None or not (isinstance(r.rows, slice) and r.rows == ALL)
+    rows = [(0, n)] * len(r.batch) if every else [r.real[b] for b in r.batch]
     if r.spans is None or not r.complete:
-        return [ALL] * len(r.batch)
-    return [ALL if hi - lo == m else slice(lo, hi) for lo, hi, _ in (r.spans[b] for b in r.batch)]
+        return [(at, ALL) for at in rows]
+    return [
+        (at, ALL if hi - lo == m else slice(lo, hi))
+        for at, (lo, hi, _) in zip(rows, (r.spans[b] for b in r.batch), strict=True)
+    ]
 
 
 def tiles(r: Rows, budget: int) -> Iterator[Tile]:
     """Tiles of at most `budget` bytes of weights: a whole batch element (all selected
     heads and rows) when it fits, else row chunks of one head at a time; over each
     element's key span (`Rows.spans`) where the selection holds complete rows."""
-    _, _, n, m = r.shape
+    m = r.shape[3]
     L = r.inputs.query.shape[2]
     per_head = [(j, range(h, h + 1)) for j, h in enumerate(r.heads)]
     folded = None
-    for at_b, (b, keys) in enumerate(zip(r.batch, _spans(r), strict=True)):
-        whole, step = _step(r, m if keys == ALL else keys.stop - keys.start, budget)
+    for at_b, (b, ((first, stop), keys)) in enumerate(zip(r.batch, _spans(r), strict=True)):
+        whole, step = _step(r, stop - first, m if keys == ALL else keys.stop - keys.start, budget)
         if whole and folded is None:
             folded = _head_blocks(r)
         for j, heads in folded if whole else per_head:
-            for r0 in range(0, n, step):
-                r1 = min(n, r0 + step)
+            for r0 in range(first, stop, step):
+                r1 = min(stop, r0 + step)
                 yield Tile(
                     at_b, b, slice(j, j + len(heads)), heads, slice(r0, r1),
                     _sub_rows(r.rows, L, r0, r1), keys,
@@ -303,10 +328,13 @@ def needs_every_key(lse: torch.Tensor) -> bool:
 def scratch(r: Rows, budget: int) -> torch.Tensor:
     """One reusable buffer for the largest tile of `tiles(r, budget)` (fresh pages fault
     on every allocation); `in_tile` views it per tile."""
-    _, H, n, m = r.shape
+    H, m = r.shape[1], r.shape[3]
     size = 0
-    for w in {m if keys == ALL else keys.stop - keys.start for keys in _spans(r)} or {m}:
-        whole, step = _step(r, w, budget)
+    for n, w in {
+        (stop - first, m if keys == ALL else keys.stop - keys.start)
+        for (first, stop), keys in _spans(r)
+    }:
+        whole, step = _step(r, n, w, budget)
         size = max(size, H * n * w if whole else min(n, step) * w)
     return torch.empty(size, dtype=r.dtype, device=r.device)
 
@@ -329,6 +357,13 @@ def stat_budget(r: Rows) -> int:
     budget = settings.get().chunk_bytes
     row = r.shape[3] * (torch.finfo(r.dtype).bits // 8)  # one head's row, bytes
     return min(STRETCH * budget, max(budget, STAT_ROWS * row))
+
+
+def results(r: Rows, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A reader's output over the selection's rows: uninitialised where every row is
+    computed, zeros where rows may be left out (Rows.real: they read as 0)."""
+    new = torch.empty if r.real is None else torch.zeros
+    return new(shape, dtype=r.dtype if dtype is None else dtype, device=r.device)
 
 
 def in_tile(buffer: torch.Tensor, r: Rows, t: Tile) -> torch.Tensor:
@@ -479,7 +514,7 @@ def dense(r: Rows) -> torch.Tensor:
     """The weights of the selection, (B', H', n, m)."""
     if empty(*r.shape):
         return torch.zeros(r.shape, dtype=r.dtype, device=r.device)
-    skips = r.spans is not None and r.complete  # (the skipped keys' weights: 0)
+    skips = (r.spans is not None and r.complete) or r.real is not None  # (skipped: 0)
     out = (torch.zeros if skips else torch.empty)(r.shape, dtype=r.dtype, device=r.device)
     budget = settings.get().chunk_bytes
     buffer = scratch(r, budget) if r.complete else None
@@ -524,7 +559,7 @@ def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
     r = r._replace(keys=ALL)
     budget = stat_budget(r)
     scores, exps = scratch(r, budget), scratch(r, budget)
-    sums = torch.empty(2, B, H, n, 1, dtype=r.dtype, device=r.device)  # T, sum e t
+    sums = results(r, 2, B, H, n, 1)  # T, sum e t
     p_sink = None if r.inputs.sinks is None else torch.empty_like(sums[0])
     for t in tiles(r, budget):
         at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
@@ -546,8 +581,8 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     -inf keys tie), then the tile's exponentials in place for the rows' normaliser, the
     k weights exp(t) / T of the row (normalised by its own sum, as p is)."""
     B, H, n, _ = r.shape
-    values = torch.empty(B, H, n, k, dtype=r.dtype, device=r.device)
-    indices = torch.empty(B, H, n, k, dtype=torch.long, device=r.device)
+    values = results(r, B, H, n, k)
+    indices = results(r, B, H, n, k, dtype=torch.long)
     if empty(*r.shape):
         return values, indices
     r = r._replace(keys=ALL)
@@ -570,7 +605,7 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def amax(r: Rows) -> torch.Tensor:
     """Each row's largest weight, (B', H', n)."""
     B, H, n, _ = r.shape
-    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    out = results(r, B, H, n)
     for tr in each(r, budget=stat_budget(r)):
         t = tr.where
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tr.p.amax(dim=-1)
@@ -583,7 +618,7 @@ def kl(r: Rows, other: Callable[[int, bool], Source | DenseSource], reverse: boo
     fresh source other(budget, both) on the same tiles; with reverse, KL(P || Q). A key where the
     first argument is 0 adds 0; where only the second is, +inf."""
     B, H, n, _ = r.shape
-    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    out = results(r, B, H, n)
     budget = settings.get().chunk_bytes
     mine, theirs = Source(r, budget, both=reverse), other(budget, not reverse)
     for t in tiles(r, budget):
@@ -612,7 +647,7 @@ def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
 def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     """d(u^T P)/du given the upstream g (B', H', F, S): g P^T, (B', H', F, n)."""
     B, H, n, _ = r.shape
-    out = torch.empty(B, H, g.shape[2], n, dtype=r.dtype, device=r.device)
+    out = results(r, B, H, g.shape[2], n)
     for tr in each(r):
         t = tr.where
         gt = g[t.at_b : t.at_b + 1, t.at_h, :, t.keys].to(r.dtype)  # (1, h, F, S)
@@ -625,7 +660,7 @@ def max_logits(r: Rows) -> torch.Tensor:
     """Each row's largest raw score (scale and float mask, no softcap), (B', H', n):
     -inf where a row sees no key."""
     B, H, n, _ = r.shape
-    out = torch.empty(B, H, n, dtype=r.dtype, device=r.device)
+    out = results(r, B, H, n)
     raw = tile.Scoring(r.inputs.scale)  # before the softcap
     for t in tiles(r, stat_budget(r)):
         out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = masked_scores(r, t, raw).amax(dim=-1)

@@ -450,14 +450,21 @@ class _Reads(Lazy):
         these heads is compared with (a list or 1-D integer tensor of length Hq).
         Differentiable into both sides as they require grad, tile by tile (never
         L x S): into w, g (w - t) (forward) or g w (ln w - ln t - KL) (reverse)."""
+        return self._kl(other, reverse, head_map)
+
+    def _kl(self, other, reverse: bool = False, head_map=None, real=None) -> torch.Tensor:
+        """kl, and for a caller that gives padded query rows no weight (sdpa.losses), real:
+        a (B, L) bool of the real rows; the others then read as 0, with gradient 0, and
+        are not computed (rows.real_rows)."""
         check_flag("reverse", reverse)
         self._check_fresh()
         i = self._inputs
-        mine = self._every_row()
+        mine = rows.real_rows(self._every_row(), real)
         if isinstance(other, _Reads):
             other._check_fresh()
             o_inputs, o_lse = _aligned(other, head_map, i)
-            mine, theirs = rows.joint(mine, rows.Rows.every(o_inputs, o_lse))
+            theirs = rows.Rows.every(o_inputs, o_lse)._replace(real=mine.real)
+            mine, theirs = rows.joint(mine, theirs)
 
             def other_source(budget, both=False):
                 return rows.Source(theirs, budget, both)
@@ -468,7 +475,8 @@ class _Reads(Lazy):
                     "already has these weights' heads (*lead, L, S)"
                 )
             target = _dense_target(other, i)  # (B|1, Hq|1, L, S)
-            mine, theirs = mine._replace(spans=None), None  # (its mass may sit anywhere)
+            # (its mass may sit anywhere; its gradient is laid out over every row)
+            mine, theirs = mine._replace(spans=None, real=None), None
 
             def other_source(budget, both=False):
                 return rows.DenseSource(target)
