@@ -104,10 +104,67 @@ def _prepare(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return aten.pad_to(q, D), aten.pad_to(k, D), aten.pad_to(v, D)  # (B, H, X, D) each
 
 
+def _piece_mask(inputs: Inputs, p: blocks.Piece, dtype: torch.dtype) -> torch.Tensor | None:
+    """The CPU kernel's additive mask of one piece, or None where it sees every key."""
+    return tile.additive(blocks.keep(inputs, p), dtype) if p.masked else None
+
+
+class _CpuPieces(torch.autograd.Function):
+    """The block plan's CPU kernel calls as one autograd node (no sinks): the forward
+    writes each piece's (out, lse) into whole ones; the backward runs the kernel's own
+    backward per piece into whole dq, dk and dv. (Autograd through the pieces' slices
+    would zero-fill and add a whole (B, H, L, D) gradient per piece and input: at
+    (8, 12, 512, 32), 48 such passes a step, a fifth of its time.) The masks are
+    rebuilt in the backward rather than kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, inputs, pieces):
+        B, H, L, _ = q.shape
+        out = q.new_zeros(B, H, L, v.shape[-1])
+        lse = q.new_zeros(B, H, L, dtype=inputs.compute_dtype)
+        for p in pieces:
+            if p.k1 > p.k0:  # (rows that see no key: out 0, lse 0, as made)
+                rows = (p.batch, slice(None), slice(p.q0, p.q1))
+                kv = (p.batch, slice(None), slice(p.k0, p.k1))
+                o, s = aten.CPU_FLASH(
+                    q[rows], k[kv], v[kv], 0.0, False,
+                    attn_mask=_piece_mask(inputs, p, q.dtype), scale=inputs.scale,
+                )  # fmt: skip
+                out[rows], lse[rows] = o, s
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.inputs, ctx.pieces = inputs, pieces
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for p in ctx.pieces:
+            if p.k1 == p.k0:
+                continue
+            rows = (p.batch, slice(None), slice(p.q0, p.q1))
+            kv = (p.batch, slice(None), slice(p.k0, p.k1))
+            gq, gk, gv = aten.CPU_FLASH_BACKWARD(
+                dout[rows].contiguous(), q[rows], k[kv], v[kv], out[rows], lse[rows], 0.0,
+                False, attn_mask=_piece_mask(ctx.inputs, p, q.dtype), scale=ctx.inputs.scale,
+            )  # fmt: skip
+            dq[rows] = gq  # (each query row is in one piece)
+            dk[kv] += gk
+            dv[kv] += gv
+        return dq, dk, dv, None, None
+
+
 def _run_pieces(
     inputs: Inputs, pieces: list[blocks.Piece], q, k, v, kernel: Kernel
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kernel call per piece; pieces tile (batch, query rows) exactly once."""
+    """One kernel call per piece; pieces tile (batch, query rows) exactly once. On CPU
+    without sinks, under autograd, one node for them all (_CpuPieces)."""
+    if (
+        kernel is _cpu_kernel and inputs.sinks is None and aten.CPU_FLASH_BACKWARD is not None
+        and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    ):  # fmt: skip
+        return _CpuPieces.apply(q, k, v, inputs, pieces)
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for p in pieces:
         qp = q[p.batch, :, p.q0 : p.q1]  # (b, Hq, r, D)

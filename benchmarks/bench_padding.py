@@ -1,0 +1,118 @@
+"""Padding costs nothing: the attention part of a distillation step on a padded batch
+against the same step on the batch without padding (issue 36, item 1).
+
+The attention part of one layer pair of the distillation benchmark (bench_distill.py),
+at its batch sizes, 12 heads of 32: the student's call with its weights (q, k and v
+require grad), the teacher's under no_grad, `sdpa.losses.attention_kl(ws, wt,
+attention_mask)` plus a loss on the output, and the backward. Ours runs it on a batch
+padded as the distillation benchmark's batches are (its `row_lengths`: 42-44% of the
+tokens are padding), the mask as transformers hands it over (the tokenizer's
+attention_mask expanded to a (B, 1, L, S) bool); the peer is the same step on a batch of
+the same shape without padding (no mask). Target: at most 0.65x the unpadded step at
+8 x 512. A second line times the padded step with the padding masked, not skipped
+(sdpa.rows' key spans and real rows turned off): what skipping saves.
+
+    python benchmarks/bench_padding.py [--quick] [--no-memory] [--json FILE]
+
+--quick runs 2 x 64 tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+import sdpa
+from sdpa import losses, rows
+from sdpa.benchmark import Comparison, main
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_distill import row_lengths  # (the distillation benchmark's batches)
+
+QUICK = "--quick" in sys.argv
+SIZES = [(2, 64)] if QUICK else [(8, 512), (8, 128)]
+if "--peak" in sys.argv:  # (sdpa.benchmark's fresh process for a peak: any case's id)
+    SIZES = [(2, 64), (8, 512), (8, 128)]
+H, E = 12, 32
+TARGET = {512: 0.65}
+
+
+def inputs(B: int, L: int, padded: bool) -> dict:
+    """q, k, v (student, requiring grad), the teacher's, and the masks of one batch."""
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(B, H, L, E, generator=g) for _ in range(6)]
+    for t in x[:3]:
+        t.requires_grad_()
+    if not padded:
+        return {"x": x, "mask": None, "keep": None}
+    keep = torch.arange(L)[None, :] < torch.tensor(row_lengths(B, L))[:, None]  # (B, L)
+    return {"x": x, "mask": keep[:, None, None, :].expand(B, 1, L, L), "keep": keep}
+
+
+@contextlib.contextmanager
+def masked():
+    """The padding masked, not skipped: no key spans, every query row read."""
+    before = rows.SPAN_MIN_SCORES, rows.real_rows
+    rows.SPAN_MIN_SCORES, rows.real_rows = 2**62, lambda r, keep: r
+    try:
+        yield
+    finally:
+        rows.SPAN_MIN_SCORES, rows.real_rows = before
+
+
+def step(batch: dict, skip: bool = True) -> None:
+    """One layer pair's attention part: both calls, the KL, the backward."""
+    q, k, v, qt, kt, vt = batch["x"]
+    with contextlib.nullcontext() if skip else masked():
+        out, ws = sdpa.attention(q, k, v, batch["mask"])
+        with torch.no_grad():
+            wt = sdpa.attention(qt, kt, vt, batch["mask"]).weights
+        loss = losses.attention_kl(ws, wt, batch["keep"]) + out.square().mean()
+        loss.backward()
+    for t in (q, k, v):
+        t.grad = None
+
+
+def side(B: int, L: int, padded: bool, skip: bool = True):
+    def setup():
+        batch = inputs(B, L, padded)
+        return lambda: step(batch, skip)
+
+    return setup
+
+
+def comparisons() -> list[Comparison]:
+    out = []
+    for B, L in SIZES:
+        pad = 1 - sum(row_lengths(B, L)) / (B * L)
+        shape = f"({B}, {H}, {L}, {E}), {pad:.0%} padding: call, KL, backward"
+        unpadded = ("the batch without padding", side(B, L, False))
+        out += [
+            Comparison(
+                case=f"padded step {B}x{L}",
+                shape=shape,
+                dtype="float32",
+                ours=("padding skipped", side(B, L, True)),
+                peer=unpadded,
+                target=TARGET.get(L),
+                grad=True,  # (the step runs its own backward)
+                length=L,
+            ),
+            Comparison(
+                case=f"padded step masked {B}x{L}",
+                shape=shape,
+                dtype="float32",
+                ours=("padding masked", side(B, L, True, skip=False)),
+                peer=unpadded,
+                grad=True,  # (the step runs its own backward)
+                length=L,
+            ),
+        ]
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(comparisons(), __file__, __doc__))

@@ -1,0 +1,40 @@
+"""benchmarks/bench_padding.py: its --quick run times the padded step (skipped, masked)
+against the unpadded one, and each side's step is the attention part it says it is."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from loader import load_file, run_script
+
+
+def test_quick_run_times_both_cases(tmp_path):
+    out = tmp_path / "padding.json"
+    done = run_script(
+        "benchmarks/bench_padding.py", "--quick", "--no-memory", "--reps", "1", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in json.loads(out.read_text())["results"] if r["peer"] is not None]
+    assert [r["case"] for r in rows] == ["padded step 2x64", "padded step masked 2x64"]
+    assert [r["impl"] for r in rows] == ["padding skipped", "padding masked"]
+    assert all(r["peer"] == "the batch without padding" and r["ratio"] > 0 for r in rows)
+
+
+def test_skipped_and_masked_steps_give_the_same_gradients():
+    """The two padded sides differ only in what they skip: the same gradients."""
+    bench = load_file("benchmarks/bench_padding.py")
+    grads = []
+    for skip in (True, False):
+        batch = bench.inputs(4, 40, padded=True)
+        q, k, v = batch["x"][:3]
+        captured: dict[str, torch.Tensor] = {}
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):  # (step clears .grad: hooks keep it)
+            t.register_hook(lambda g, name=name, into=captured: into.__setitem__(name, g.clone()))
+        bench.step(batch, skip)
+        grads.append(captured)
+    assert grads[0].keys() == {"q", "k", "v"}
+    for name in ("q", "k", "v"):
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
+    assert bench.inputs(4, 40, padded=True)["keep"].float().mean() < 0.9  # (it is padded)
