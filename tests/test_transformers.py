@@ -463,3 +463,37 @@ def test_a_call_whose_weights_no_one_reads_makes_no_handle_and_the_same_output(g
         lazy, w = sdpa_hf.lazy_attention_forward(*args, scaling=0.4)
     assert made and isinstance(w, sdpa.AttentionWeights) and dense.shape == w.shape
     assert torch.equal(plain, asked) and torch.equal(plain, lazy)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_an_encoders_padding_reaches_sdpa_as_key_padding_it_skips(name, batch, side, monkeypatch):
+    """MiniLM's padding mask comes as the tokenizer's 2-D mask expanded over the queries
+    (stride 0: the weights find its key padding from B x S entries and skip it), with
+    transformers' own values; the attentions read over the skipped keys equal eager's."""
+    from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
+
+    from sdpa import rows
+
+    monkeypatch.setattr(rows, "SPAN_MIN_SCORES", 0)  # (the batch is small)
+    mask = batch["attention_mask"]
+    if side == "left":
+        mask = mask.flip(-1)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": mask}
+    ours, eager = load(name), load("eager")
+    with torch.no_grad(), sdpa_hf.capture(ours) as cap:
+        ours(**inputs)
+    with torch.no_grad():
+        want = eager(**inputs, output_attentions=True).attentions
+    B, L = mask.shape
+    seen = cap.weights[0]._inputs.mask
+    assert seen.stride(2) == 0  # (B, 1, L, S) over the queries a view of (B, S)
+    theirs = sdpa_mask(
+        batch_size=B, q_length=L, kv_length=L, mask_function=bidirectional_mask_function,
+        attention_mask=mask.bool(),
+    )  # fmt: skip
+    assert torch.equal(seen, theirs)
+    spans = rows.Rows.every(cap.weights[0]._inputs, cap.weights[0].lse).spans
+    assert spans is not None and [hi - lo for lo, hi, _ in spans] == mask.sum(-1).tolist()
+    for w, y in zip(cap.weights, want, strict=True):
+        real = valid_rows({"attention_mask": mask}, y)
+        torch.testing.assert_close(w.full()[real], y[real], atol=1e-5, rtol=0)

@@ -702,7 +702,29 @@ def mask_function(*args, config=None, **kwargs):
 
     if config is None or not _sdpa_path_kept(config):
         return eager_mask(*args, config=config, **kwargs)
-    return sdpa_mask(*args, config=config, **kwargs)
+    return padding_view(sdpa_mask(*args, config=config, **kwargs), kwargs)
+
+
+def padding_view(mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
+    """An encoder's padding mask as what it is: transformers' sdpa_mask of a bidirectional
+    model (its bidirectional_mask_function alone, no offsets) is the tokenizer's 2-D
+    attention_mask (B, S) repeated over the queries, materialised (B, 1, L, S); here it
+    is handed over as that 2-D mask expanded (stride 0 over the queries, the same
+    values), so the weights' reads find the key padding from its B x S entries
+    (sdpa.masks.key_spans) and skip it. Any other mask as it came."""
+    from transformers.masking_utils import bidirectional_mask_function
+
+    pad = kwargs.get("attention_mask")
+    if (
+        not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4
+        or kwargs.get("mask_function") is not bidirectional_mask_function
+        or kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0
+        or kwargs.get("local_size") is not None
+        or not isinstance(pad, torch.Tensor) or pad.ndim != 2
+        or tuple(pad.shape) != (mask.shape[0], mask.shape[3]) or mask.shape[1] != 1
+    ):  # fmt: skip
+        return mask
+    return pad.to(device=mask.device, dtype=torch.bool)[:, None, None, :].expand(mask.shape)
 
 
 def register(name: str | None = None, *, lazy_weights: bool = False) -> str:
