@@ -724,7 +724,8 @@ def padding_view(mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None
         or tuple(pad.shape) != (mask.shape[0], mask.shape[3]) or mask.shape[1] != 1
     ):  # fmt: skip
         return mask
-    return pad.to(device=mask.device, dtype=torch.bool)[:, None, None, :].expand(mask.shape)
+    keep = pad.to(device=mask.device, dtype=torch.bool, copy=True)  # (the caller's stays apart)
+    return keep[:, None, None, :].expand(mask.shape)
 
 
 def register(name: str | None = None, *, lazy_weights: bool = False) -> str:
