@@ -712,12 +712,14 @@ def padding_view(mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None
     is handed over as that 2-D mask expanded (stride 0 over the queries, the same
     values), so the weights' reads find the key padding from its B x S entries
     (sdpa.masks.key_spans) and skip it. Any other mask as it came."""
-    from transformers.masking_utils import bidirectional_mask_function
+    from transformers import masking_utils
 
+    bidirectional = getattr(masking_utils, "bidirectional_mask_function", None)  # (5.x)
     pad = kwargs.get("attention_mask")
     if (
-        not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4
-        or kwargs.get("mask_function") is not bidirectional_mask_function
+        bidirectional is None
+        or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4
+        or kwargs.get("mask_function") is not bidirectional
         or kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0
         or kwargs.get("local_size") is not None
         or not isinstance(pad, torch.Tensor) or pad.ndim != 2
