@@ -164,7 +164,7 @@ class Tile(NamedTuple):
 
 def width(r: Rows, t: Tile) -> int:
     """How many keys tile t has."""
-    return r.shape[3] if t.keys == ALL else t.keys.stop - t.keys.start
+    return _count(t.keys, r.shape[3])
 
 
 def is_open(r: Rows, t: Tile) -> bool:
@@ -225,7 +225,7 @@ def tiles(r: Rows, budget: int) -> Iterator[Tile]:
     per_head = [(j, range(h, h + 1)) for j, h in enumerate(r.heads)]
     folded = None
     for at_b, (b, ((first, stop), keys)) in enumerate(zip(r.batch, _spans(r), strict=True)):
-        whole, step = _step(r, stop - first, m if keys == ALL else keys.stop - keys.start, budget)
+        whole, step = _step(r, stop - first, _count(keys, m), budget)
         if whole and folded is None:
             folded = _head_blocks(r)
         for j, heads in folded if whole else per_head:
@@ -330,10 +330,7 @@ def scratch(r: Rows, budget: int) -> torch.Tensor:
     on every allocation); `in_tile` views it per tile."""
     H, m = r.shape[1], r.shape[3]
     size = 0
-    for n, w in {
-        (stop - first, m if keys == ALL else keys.stop - keys.start)
-        for (first, stop), keys in _spans(r)
-    }:
+    for n, w in {(stop - first, _count(keys, m)) for (first, stop), keys in _spans(r)}:
         whole, step = _step(r, n, w, budget)
         size = max(size, H * n * w if whole else min(n, step) * w)
     return torch.empty(size, dtype=r.dtype, device=r.device)
