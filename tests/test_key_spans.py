@@ -38,6 +38,10 @@ def _padding(kind: str, lengths: list[int], starts: list[int], B: int, S: int, L
         return masks.padding(lengths)
     if kind == "padding() & causal":
         return masks.padding(lengths) & masks.causal()
+    if kind == "padding(queries=True)":
+        return masks.padding(lengths, queries=True)
+    if kind == "padding(queries=True) & causal":
+        return masks.causal() & masks.padding(lengths, queries=True)
     if kind == "bool & causal=True":
         return keep[:, None, None, :]  # (with causal=True: a TensorAnd)
     raise ValueError(kind)
@@ -49,6 +53,8 @@ KINDS = [
     "holes",
     "padding()",
     "padding() & causal",
+    "padding(queries=True)",
+    "padding(queries=True) & causal",
     "bool & causal=True",
 ]
 
@@ -62,7 +68,7 @@ def cases(draw):
     L = draw(st.integers(1, 20))
     kind = draw(st.sampled_from(KINDS))
     causal = kind == "bool & causal=True"
-    if causal or kind == "padding() & causal":
+    if causal or kind.endswith("& causal"):
         L = S
     right = kind.startswith("padding")
     lengths = [draw(st.integers(0, S)) for _ in range(B)]
@@ -179,6 +185,27 @@ def test_key_spans_read_only_what_they_may():
     assert masks.key_spans(None, 2, 4) is None
 
 
+def test_query_spans_come_from_a_declaration_alone():
+    """Padded queries are skipped where the mask declares them (padding(..., queries=True),
+    also inside an &), never found by scanning; a saved mask keeps the declaration."""
+    padded = masks.padding([3, 0, 9], queries=True)
+    assert masks.query_spans(padded, 3, 5) == ((0, 3), (0, 0), (0, 5))
+    assert masks.query_spans(masks.causal() & padded, 3, 5) == ((0, 3), (0, 0), (0, 5))
+    both = masks.padding([4, 2], queries=True) & masks.padding([3, 5], queries=True)
+    assert masks.query_spans(both, 2, 5) == ((0, 3), (0, 2))
+    assert masks.query_spans(masks.padding([3, 0, 9]), 3, 5) is None  # (keys alone)
+    assert masks.query_spans(padded | masks.causal(), 3, 5) is None
+    dead = torch.zeros(3, 1, 5, 5, dtype=torch.bool)  # (a tensor is not scanned for rows)
+    assert masks.query_spans(dead, 3, 5) is None
+    assert masks.query_spans(None, 3, 5) is None
+    assert repr(padded) == "masks.padding([3, 0, 9], queries=True)"
+    loaded = masks.from_state(masks.state_of(padded))
+    assert loaded.queries and masks.query_spans(loaded, 3, 5) == ((0, 3), (0, 0), (0, 5))
+    assert not masks.from_state(("padding", torch.tensor([2]))).queries  # (an older save)
+    with pytest.raises(sdpa.SdpaTypeError, match="queries must be True or False"):
+        masks.padding([3], queries="yes")
+
+
 @st.composite
 def loss_cases(draw):
     B, H = draw(st.integers(1, 3)), draw(st.integers(1, 3))
@@ -267,3 +294,46 @@ def test_skipped_rows_and_keys_are_never_computed(monkeypatch):
     monkeypatch.setattr(rows, "operands", operands)
     torch.testing.assert_close(per_row, ws.kl(wt).masked_fill(~keep[:, None], 0.0))
     assert (per_row[~keep[:, None].expand(B, H, L)] == 0).all()
+
+
+def test_declared_padded_queries_are_never_computed(monkeypatch):
+    """masks.padding(lengths, queries=True): the entropy, the dense weights and the KL
+    read (and the KL's backward) compute only real rows x real keys; the padded rows
+    read as 0, their output is 0, and nothing else changes (the key padding alone)."""
+    B, H, L = 3, 2, 40
+    lengths = [25, 0, 40]
+    q, k, qt = (torch.randn(B, H, L, 8, requires_grad=True) for _ in range(3))
+    padded = masks.padding(lengths, queries=True)
+    monkeypatch.setattr(rows, "SPAN_MIN_SCORES", 0)
+    seen = []
+    operands = rows.operands
+
+    def counted(r, t):
+        got = operands(r, t)
+        seen.append(got[0].shape[1] * got[0].shape[2] * got[1].shape[2])  # heads x rows x keys
+        return got
+
+    monkeypatch.setattr(rows, "operands", counted)
+    out, ws = sdpa.attention(q, k, k, padded)
+    wt = sdpa.attention(qt, k, k, padded).weights
+    real = torch.tensor(lengths)
+    real_scores = H * int((real * real).sum())
+    reads = ((lambda: ws.entropy(), 1), (lambda: ws.full(), 1), (lambda: ws.kl(wt), 2))
+    for read, sides in reads:
+        seen.clear()
+        value = read()
+        assert sum(seen) == sides * real_scores
+    seen.clear()
+    value.sum().backward()  # (the KL's backward into each side reads both sides' tiles)
+    assert sum(seen) == 4 * real_scores and q.grad is not None and qt.grad is not None
+    monkeypatch.setattr(rows, "operands", operands)
+    rows_out = torch.arange(L) >= real[:, None]  # (B, L): the padded query rows
+    keys_only = sdpa.attention(q, k, k, masks.padding(lengths))
+    assert (out[rows_out[:, None].expand(B, H, L)] == 0).all()
+    live = ~rows_out[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[live], keys_only.output[live])
+    full = ws.full()
+    assert (full[rows_out[:, None].expand(B, H, L)] == 0).all()
+    torch.testing.assert_close(
+        full[live[..., :1].expand_as(full)], keys_only.weights.full()[live[..., :1].expand_as(full)]
+    )

@@ -71,6 +71,9 @@ def test_band_blocks_equal_keep(bq, bk):
 def test_padding_blocks_equal_keep(bq, bk):
     for L, S in itertools.product((1, bq, bq + 1, 2 * bq + 1), LENGTHS):
         check(masks.padding(edge_lengths(S, bk)), L, S, bq, bk, exact=True)
+        # padded queries: lengths on and beside the query blocks' edges too
+        lengths = sorted(set(edge_lengths(S, bk)) | set(edge_lengths(L, bq)))
+        check(masks.padding(lengths, queries=True), L, S, bq, bk, exact=True)
 
 
 def sorted_ids(g, n, docs):
@@ -127,7 +130,8 @@ def leaves(draw, L, S, B):
     if kind == "window":
         return masks.sliding_window(draw(st.integers(1, S + 2)), align)
     if kind == "padding":
-        return masks.padding(draw(st.lists(st.integers(0, S + 1), min_size=B, max_size=B)))
+        lengths = draw(st.lists(st.integers(0, max(L, S) + 1), min_size=B, max_size=B))
+        return masks.padding(lengths, queries=draw(st.booleans()))
     ids = st.integers(0, 3)
     if kind == "docs":
         q = draw(st.lists(ids, min_size=L, max_size=L))

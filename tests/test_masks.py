@@ -22,10 +22,10 @@ def twin_causal(L, S, align="bottom-right", size=None):
     return (j <= p) & (j > p - size) if size is not None else j <= p
 
 
-def twin_padding(lengths, L, S):
+def twin_padding(lengths, L, S, queries=False):
     keep = torch.zeros(len(lengths), 1, L, S, dtype=torch.bool)
     for b, n in enumerate(lengths):
-        keep[b, :, :, :n] = True
+        keep[b, :, : n if queries else L, :n] = True
     return keep
 
 
@@ -53,6 +53,8 @@ def test_materialize_equals_the_twins(L, S):
                                twin_causal(L, S, align, size))  # fmt: skip
     lengths = [S, max(0, S - 50), 1]
     assert torch.equal(masks.padding(lengths).materialize(L, S), twin_padding(lengths, L, S))
+    padded = masks.padding(lengths, queries=True).materialize(L, S)
+    assert torch.equal(padded, twin_padding(lengths, L, S, queries=True))
 
 
 def mask_cases(L, S, B):
@@ -66,6 +68,7 @@ def mask_cases(L, S, B):
         (masks.sliding_window(33), twin_causal(L, S, size=33)),
         (masks.sliding_window(300, "top-left"), twin_causal(L, S, "top-left", 300)),
         (masks.padding(lengths), twin_padding(lengths, L, S)),
+        (masks.padding(lengths, queries=True), twin_padding(lengths, L, S, queries=True)),
         (masks.causal() & masks.padding(lengths), twin_causal(L, S) & twin_padding(lengths, L, S)),
         (
             masks.sliding_window(40) | masks.padding([3] * B),

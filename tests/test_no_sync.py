@@ -337,6 +337,9 @@ SPAN_MASKS = {
     "window 300": lambda L, S: masks.sliding_window(300),
     "padding": lambda L, S: masks.padding([S, 0, 1, 64, 65, S - 1, 2 * S]),
     "window & padding": lambda L, S: masks.sliding_window(200) & masks.padding([S, 100, 0]),
+    "padding, queries": lambda L, S: masks.padding(
+        [S, 0, 1, 255, 257, L - 1, 2 * max(L, S)], queries=True
+    ),
 }
 
 
@@ -379,7 +382,7 @@ def test_a_gpu_plan_keeps_every_visible_key(gen, name):
     L, S = 600, 700
     mask = SPAN_MASKS[name](L, S)
     q, k, v, _ = make_inputs(gen, B=7 if "padding" in name else 1, Hq=2, L=L, S=S, E=16)
-    if "padding" in name and name != "padding":
+    if name == "window & padding":
         q, k, v = q[:3], k[:3], v[:3]
     inputs = sdpa.inputs.normalize(q, k, v, mask)
     spans = mask.spans(L, S, blocks.BLOCK_Q, blocks.BLOCK_K)

@@ -91,8 +91,15 @@ class Mask:
 
     def key_spans(self, S: int) -> list[KeySpan] | None:
         """Per batch element (Bm), the keys [lo, hi) outside which no query sees a key and
-        whether every query sees every key inside (full), from the host alone (see
-        `key_spans`); None where this mask has no such span to give (the default)."""
+        whether every query that sees a key sees every key inside (full), from the host
+        alone (see `key_spans`); None where this mask has no such span to give (the
+        default)."""
+        return None
+
+    def query_spans(self, L: int) -> list[tuple[int, int]] | None:
+        """Per batch element (Bm), the query rows [lo, hi) outside which a row sees no key
+        (declared padded queries: their output and weights are 0), from the host alone;
+        None where this mask declares none (the default: every row may see a key)."""
         return None
 
     def keep_pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor, L: int, S: int) -> torch.Tensor:
@@ -352,7 +359,7 @@ def state_of(mask: object) -> object:
     if mask.__class__ is _Band:
         return ("band", mask.size, mask.align, mask._name)
     if mask.__class__ is _Padding:
-        return ("padding", mask.lengths.detach())
+        return ("padding", mask.lengths.detach(), mask.queries)
     if mask.__class__ is _Documents:
         return ("documents", mask.q_ids.detach(), mask.k_ids.detach(), mask.batch is not None)
     if mask.__class__ is _Combined:
@@ -371,7 +378,8 @@ def from_state(state: object) -> object:
         top_left = (TOP_LEFT.size, TOP_LEFT.align, TOP_LEFT._name)
         return TOP_LEFT if tuple(args) == top_left else _Band(*args)
     if kind == "padding":  # (loaded: a real tensor, on the host where it is on the CPU)
-        return _Padding(args[0], args[0].tolist() if args[0].is_cpu else None)
+        queries = len(args) > 1 and args[1]  # (saved before padded queries: keys alone)
+        return _Padding(args[0], args[0].tolist() if args[0].is_cpu else None, queries)
     if kind == "documents":
         return _Documents(*args)
     if kind == "combined":
@@ -416,63 +424,109 @@ def sliding_window(size: int, align: str = "bottom-right") -> Mask:
 
 
 class _Padding(Mask):
-    def __init__(self, lengths: torch.Tensor, host: list[int] | None = None):
+    def __init__(self, lengths: torch.Tensor, host: list[int] | None = None, queries=False):
         self.lengths = lengths
         self.batch = len(lengths)
         self.host = host  # the lengths as a list, where the host has them (key_spans)
+        self.queries = queries  # the query rows past each length padded too
 
     def keep(self, q_pos, k_pos, L, S):
         lengths = self.lengths.to(k_pos.device, non_blocking=True)  # (a host copy: no sync)
         keep = k_pos[None, None, :] < lengths[:, None, None]  # (B, 1, c)
+        if self.queries:
+            return keep & (q_pos[None, :, None] < lengths[:, None, None])  # (B, r, c)
         return keep.expand(self.batch, len(q_pos), len(k_pos))
 
     def take(self, batch):
         # (no host list: the batch indices may live on a device; no key spans then)
-        return _Padding(self.lengths[batch.to(self.lengths.device, non_blocking=True)])
+        lengths = self.lengths[batch.to(self.lengths.device, non_blocking=True)]
+        return _Padding(lengths, queries=self.queries)
 
     def blocks(self, L, S, bq, bk):
-        """Exact: keys [k0, k1) are FULL when k1 <= length, EMPTY when k0 >= length."""
+        """Exact: keys [k0, k1) are FULL when k1 <= length, EMPTY when k0 >= length; with
+        padded queries, query blocks [q0, q1) are EMPTY when q0 >= length and FULL only
+        where q1 <= length too."""
         k0 = torch.arange(0, S, bk)  # (nK,)
         k1 = torch.clamp(k0 + bk, max=S)
-        n = self.lengths.cpu()[:, None]  # (B, 1)
-        out = torch.full((self.batch, len(k0)), PARTIAL, dtype=torch.int8)
-        out[k1[None, :] <= n] = FULL
-        out[k0[None, :] >= n] = EMPTY
-        return out[:, None, :].expand(self.batch, -(-L // bq), len(k0))
+        n = self.lengths.cpu()[:, None, None]  # (B, 1, 1)
+        q0 = (
+            torch.arange(0, L, bq)[:, None] if self.queries else torch.zeros(1, 1, dtype=torch.long)
+        )
+        q1 = torch.clamp(q0 + bq, max=L) if self.queries else q0
+        shape = (self.batch, len(q0), len(k0))
+        out = torch.full(shape, PARTIAL, dtype=torch.int8)
+        out[((k1[None, :] <= n) & (q1 <= n)).expand(shape)] = FULL
+        out[((k0[None, :] >= n) | (q0 >= n)).expand(shape)] = EMPTY
+        return out.expand(self.batch, -(-L // bq), len(k0))
 
     def key_spans(self, S):
-        """[0, n_b), every key of it seen by every query; None for lengths on a device
-        (reading them would sync)."""
+        """[0, n_b), every key of it seen by every query that sees one (with padded
+        queries, rows past n_b see none); None for lengths on a device (reading them
+        would sync)."""
         if self.host is None:
             return None
         return [_span(0, min(n, S), True, S) for n in self.host]
 
+    def query_spans(self, L):
+        """With padded queries, [0, n_b): the rows past a length see no key; None for
+        lengths on a device (reading them would sync) or key padding alone."""
+        if self.host is None or not self.queries:
+            return None
+        return [(0, min(n, L)) for n in self.host]
+
     def spans(self, L, S, bq, bk):
         """Exact, from lengths on the CPU (None for lengths on a device: reading them
         would sync): element b sees key blocks [0, ceil(n_b / bk)), the last PARTIAL
-        unless it ends at n_b."""
+        unless it ends at n_b; with padded queries, query blocks from n_b on see none
+        and the block holding n_b is PARTIAL."""
         if not self.lengths.is_cpu:
             return None
         nQ = -(-L // bq)
         out = []
         for n in self.lengths.tolist():  # (a host read of a CPU tensor)
-            n = min(n, S)
-            span = (0, -(-n // bk), min(S, -(-n // bk) * bk) > n) if n > 0 else (0, 0, False)
-            out.append([span] * nQ)
+            n_k = min(n, S)
+            span = (0, -(-n_k // bk), min(S, -(-n_k // bk) * bk) > n_k)
+            if n_k == 0:
+                span = (0, 0, False)
+            row = [span] * nQ
+            if self.queries and span[1] > 0:
+                for qi in range(nQ):
+                    q0, q1 = qi * bq, min(L, (qi + 1) * bq)
+                    if q0 >= n:
+                        row[qi] = (0, 0, False)
+                    elif q1 > n:
+                        row[qi] = (span[0], span[1], True)
+            out.append(row)
         return out
 
     def __repr__(self):  # (lengths on a device are not read: a repr must not sync)
+        queries = ", queries=True" if self.queries else ""
         if not self.lengths.is_cpu:
-            return f"masks.padding(<{self.batch} lengths on {self.lengths.device}>)"
-        return f"masks.padding({self.lengths.tolist()})"
+            return f"masks.padding(<{self.batch} lengths on {self.lengths.device}>{queries})"
+        return f"masks.padding({self.lengths.tolist()}{queries})"
 
 
-def padding(lengths: torch.Tensor | list[int]) -> Mask:
+def padding(lengths: torch.Tensor | list[int], queries: bool = False) -> Mask:
     """Key padding: batch element b sees keys j < lengths[b]. Has a batch dim.
 
     lengths=[3, 1], S=4, any L
         b=0: 1 1 1 0        b=1: 1 0 0 0
+
+    queries=True declares the query rows i >= lengths[b] padded too: they see no key,
+    so their output and weights are 0 (eager attention computes them over the real
+    keys; a loss that gives them no weight cannot tell) and, with lengths on the CPU,
+    they are skipped rather than computed, in the forward, every read and the backward.
+
+    lengths=[3, 1], queries=True, L=S=4
+        b=0: 1 1 1 0        b=1: 1 0 0 0
+             1 1 1 0             0 0 0 0
+             1 1 1 0             0 0 0 0
+             0 0 0 0             0 0 0 0
     """
+    if not isinstance(queries, bool):
+        raise SdpaTypeError(
+            f"queries must be True or False, got {queries!r} ({type(queries).__name__})"
+        )
     lengths = _int_tensor("lengths", lengths, "a 1-D integer tensor or list of ints, e.g. [5, 3]")
     if lengths.ndim != 1 or len(lengths) == 0:
         raise SdpaValueError(
@@ -486,7 +540,7 @@ def padding(lengths: torch.Tensor | list[int]) -> Mask:
             )
     else:  # checked on the device (reading it here would sync the host)
         torch._assert_async((lengths >= 0).all(), "sdpa.masks.padding: lengths must be >= 0")
-    return _Padding(lengths.long(), lengths.tolist() if lengths.is_cpu else None)
+    return _Padding(lengths.long(), lengths.tolist() if lengths.is_cpu else None, queries)
 
 
 def _int_tensor(name: str, value: object, works: str) -> torch.Tensor:
@@ -622,6 +676,12 @@ class _Combined(Mask):
             return None
         return _and_key_spans(self.a.key_spans(S), self.b.key_spans(S), S)
 
+    def query_spans(self, L):
+        """&: each side's rows intersected (a side with none: every row); | has none."""
+        if self.op != "and":
+            return None
+        return _and_query_spans(self.a.query_spans(L), self.b.query_spans(L))
+
     def blocks(self, L, S, bq, bk):
         """Sound, not exact: & takes the smaller occupancy (EMPTY < PARTIAL < FULL), | the
         larger; two PARTIAL children stay PARTIAL even where their Trues never meet (&,
@@ -659,6 +719,40 @@ def key_spans(mask: object, B: int, S: int) -> tuple[KeySpan, ...] | None:
     if len(a) == 1 and B != 1:
         a = a * B
     return tuple(a) if len(a) == B else None
+
+
+def query_spans(mask: object, B: int, L: int) -> tuple[tuple[int, int], ...] | None:
+    """Per batch element (B of them), the query rows [lo, hi) outside which a row sees no
+    key, where the mask declares padded queries (`padding(lengths, queries=True)` with
+    lengths on the CPU, or a part of an &): those rows' output and weights are 0 and
+    cost nothing. None where no part declares any (a tensor part never does: it is not
+    scanned for empty rows), or while torch.compile traces."""
+    _, structured = split(mask)
+    if structured is None or torch.compiler.is_compiling():
+        return None
+    found = structured.query_spans(L)
+    if found is None:
+        return None
+    if len(found) == 1 and B != 1:
+        found = found * B
+    return tuple(found) if len(found) == B else None
+
+
+def _and_query_spans(
+    a: list[tuple[int, int]] | None, b: list[tuple[int, int]] | None
+) -> list[tuple[int, int]] | None:
+    """Two parts' query rows ANDed (batch lists of length Bm or 1 broadcast; None: every
+    row): the intersection, (0, 0) where it is empty."""
+    if a is None or b is None:
+        return b if a is None else a
+    a, b = a * (len(b) if len(a) == 1 else 1), b * (len(a) if len(b) == 1 else 1)
+    if len(a) != len(b):
+        return None
+    out = []
+    for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True):
+        lo = max(lo_a, lo_b)
+        out.append((lo, max(lo, min(hi_a, hi_b))))
+    return out
 
 
 def _span(lo: int, hi: int, full: bool, S: int) -> KeySpan:

@@ -22,7 +22,9 @@ Key padding is skipped, not masked: a selection of complete rows carries each ba
 element's key span (`key_spans`: the keys [lo, hi) holding every key its rows see), its
 tiles cover only those keys (`Tile.keys`; the weights elsewhere are 0, placed by the
 readers) and leave the mask out where it is all True there (`is_open`). Two calls read
-on the same tiles (KL, score errors) share one span per element (`joint`).
+on the same tiles (KL, score errors) share one span per element (`joint`). Padded
+query rows a mask declares (`masks.padding(lengths, queries=True)`: rows that see no
+key, `Rows.live`) are skipped the same way: their weights are 0 and never computed.
 """
 
 from __future__ import annotations
@@ -64,12 +66,18 @@ class Rows(NamedTuple):
     # row: the others it declares weightless (a loss's padded queries), read as 0 with
     # gradient 0 and never computed (`real_rows`)
     real: tuple[tuple[int, int], ...] | None = None
+    # per batch element (of B), the rows [first, stop) outside which the mask lets a row
+    # see no key (masks.query_spans): the tiles of every row cover only these, and a
+    # tile's mask is left out (is_open) only where its rows lie inside
+    live: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def every(cls, inputs: Inputs, lse: torch.Tensor) -> Rows:
-        """Every row of every batch element and head, its key padding skipped (key_spans)."""
+        """Every row of every batch element and head, its key padding and declared query
+        padding skipped (key_spans, query_spans)."""
         B, Hq = inputs.query.shape[:2]
-        return cls(inputs, lse, range(B), range(Hq), spans=key_spans(inputs))
+        spans, live = key_spans(inputs), query_spans(inputs)
+        return cls(inputs, lse, range(B), range(Hq), spans=spans, real=live, live=live)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -116,24 +124,58 @@ def key_spans(inputs: Inputs) -> tuple[masks.KeySpan, ...] | None:
     return masks.key_spans(mask, B, S)
 
 
+def query_spans(inputs: Inputs) -> tuple[tuple[int, int], ...] | None:
+    """The call's declared padded queries (masks.query_spans: per batch element, the rows
+    [lo, hi) outside which a row sees no key), decided from shapes in O(1) first: None
+    without a mask or below SPAN_MIN_SCORES."""
+    mask = inputs.mask
+    if mask is None:
+        return None
+    B, H, L, _ = inputs.query.shape
+    if B * H * L * inputs.key.shape[2] < SPAN_MIN_SCORES:
+        return None
+    return masks.query_spans(mask, B, L)
+
+
+def _meet(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    lo = max(a[0], b[0])
+    return lo, max(lo, min(a[1], b[1]))
+
+
 def real_rows(r: Rows, keep: torch.Tensor | None) -> Rows:
     """r reading only the real query rows that keep (B, L) bool marks (a tokenizer's
-    attention_mask on the CPU), each batch element's from its first to its last: the
-    other rows read as 0, with gradient 0, uncomputed. Only for a caller that gives the
-    padded rows no weight (a loss that masks them out). None, or keep off the CPU (read
-    it and the host would sync), keeps every row."""
-    if keep is None or not keep.is_cpu or r.real is not None:
+    attention_mask on the CPU), each batch element's from its first to its last (within
+    the rows r reads already): the other rows read as 0, with gradient 0, uncomputed.
+    Only for a caller that gives the padded rows no weight (a loss that masks them
+    out). None, or keep off the CPU (read it and the host would sync), keeps every row."""
+    if keep is None or not keep.is_cpu:
         return r
     B, L = keep.shape
     found = masks.key_spans(keep[:, None, None, :], B, L)  # (the span of the Trues)
-    return r if found is None else r._replace(real=tuple((lo, hi) for lo, hi, _ in found))
+    if found is None:
+        return r
+    real = tuple((lo, hi) for lo, hi, _ in found)
+    if r.real is not None:
+        real = tuple(_meet(a, b) for a, b in zip(r.real, real, strict=True))
+    return r._replace(real=real)
 
 
 def joint(a: Rows, b: Rows) -> tuple[Rows, Rows]:
     """Two selections read on the same tiles (KL, score errors: one side's tiles read with
     the other's), their key spans made one: per batch element the smallest span holding
     both (full on a side where its own span is that one and full). A side with no spans
-    makes both read every key."""
+    makes both read every key. Their rows are made one too (each side's `real`, the
+    smallest span holding both; every row where a side has none): a row live on one
+    side only reads as 0 on the other, which keeps its mask there (is_open)."""
+    if a.real is None or b.real is None:
+        a, b = a._replace(real=None), b._replace(real=None)
+    else:
+        real = tuple(
+            (min(x[0], y[0]), max(x[1], y[1])) if x[1] > x[0] and y[1] > y[0] else
+            (x if y[1] <= y[0] else y)
+            for x, y in zip(a.real, b.real, strict=True)
+        )  # fmt: skip
+        a, b = a._replace(real=real), b._replace(real=real)
     if a.spans is None or b.spans is None:
         return a._replace(spans=None), b._replace(spans=None)
     both = [(min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(a.spans, b.spans, strict=True)]
@@ -169,8 +211,17 @@ def width(r: Rows, t: Tile) -> int:
 
 def is_open(r: Rows, t: Tile) -> bool:
     """Whether r's mask is all True over tile t's keys (its span is full: the mask is not
-    applied there, and every row sees a key). Asked of each side of a joint read."""
-    return r.spans is not None and r.complete and r.spans[t.b][2]
+    applied there, and every row sees a key): where the mask declares padded queries,
+    only for a tile whose rows are all live. Asked of each side of a joint read."""
+    if r.spans is None or not r.complete or not r.spans[t.b][2]:
+        return False
+    if r.live is None:
+        return True
+    lo, hi = r.live[t.b]
+    rows = t.q_rows
+    return (
+        isinstance(rows, slice) and rows.step in (None, 1) and lo <= rows.start and rows.stop <= hi
+    )
 
 
 def _head_blocks(r: Rows) -> list[tuple[int, range]]:
@@ -225,6 +276,8 @@ def tiles(r: Rows, budget: int) -> Iterator[Tile]:
     per_head = [(j, range(h, h + 1)) for j, h in enumerate(r.heads)]
     folded = None
     for at_b, (b, ((first, stop), keys)) in enumerate(zip(r.batch, _spans(r), strict=True)):
+        if stop <= first:
+            continue  # (no live row: nothing to compute)
         whole, step = _step(r, stop - first, _count(keys, m), budget)
         if whole and folded is None:
             folded = _head_blocks(r)
@@ -359,7 +412,7 @@ def stat_budget(r: Rows) -> int:
 def results(r: Rows, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A reader's output over the selection's rows: uninitialised where every row is
     computed, zeros where rows may be left out (Rows.real: they read as 0)."""
-    new = torch.empty if r.real is None else torch.zeros
+    new = torch.empty if r.real is None and r.live is None else torch.zeros
     return new(shape, dtype=r.dtype if dtype is None else dtype, device=r.device)
 
 
@@ -511,16 +564,17 @@ def dense(r: Rows) -> torch.Tensor:
     """The weights of the selection, (B', H', n, m)."""
     if empty(*r.shape):
         return torch.zeros(r.shape, dtype=r.dtype, device=r.device)
-    skips = (r.spans is not None and r.complete) or r.real is not None  # (skipped: 0)
+    skips = (r.spans is not None and r.complete) or r.real is not None or r.live is not None
     out = (torch.zeros if skips else torch.empty)(r.shape, dtype=r.dtype, device=r.device)
     budget = settings.get().chunk_bytes
     buffer = scratch(r, budget) if r.complete else None
     for t in tiles(r, budget):
         into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
         scr = None if buffer is None else in_tile(buffer, r, t)
-        if t.keys == ALL:
+        if t.keys == ALL and into.is_contiguous():
             weights(r, t, into, scr)
-        else:  # (the tile rule writes its out= buffers as contiguous ones)
+        else:  # (the tile rule writes its out= buffers as contiguous ones; a key span
+            # or some rows of several heads are not)
             into[..., t.keys] = weights(r, t, None, scr)
     return out
 
@@ -557,7 +611,9 @@ def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
     budget = stat_budget(r)
     scores, exps = scratch(r, budget), scratch(r, budget)
     sums = results(r, 2, B, H, n, 1)  # T, sum e t
-    p_sink = None if r.inputs.sinks is None else torch.empty_like(sums[0])
+    if r.real is not None or r.live is not None:
+        sums[0].fill_(1.0)  # (a row left out: T = 1, sum 0, as for a row that sees no key)
+    p_sink = None if r.inputs.sinks is None else torch.zeros_like(sums[0])
     for t in tiles(r, budget):
         at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
         shifted, c, sinks = _shifted(r, t, in_tile(scores, r, t))

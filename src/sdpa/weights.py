@@ -459,12 +459,12 @@ class _Reads(Lazy):
         check_flag("reverse", reverse)
         self._check_fresh()
         i = self._inputs
-        mine = rows.real_rows(self._every_row(), real)
+        mine = self._every_row()
         if isinstance(other, _Reads):
             other._check_fresh()
             o_inputs, o_lse = _aligned(other, head_map, i)
-            theirs = rows.Rows.every(o_inputs, o_lse)._replace(real=mine.real)
-            mine, theirs = rows.joint(mine, theirs)
+            mine, theirs = rows.joint(mine, rows.Rows.every(o_inputs, o_lse))
+            mine, theirs = rows.real_rows(mine, real), rows.real_rows(theirs, real)
 
             def other_source(budget, both=False):
                 return rows.Source(theirs, budget, both)
