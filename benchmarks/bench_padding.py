@@ -10,7 +10,10 @@ tokens are padding), the mask as transformers hands it over (the tokenizer's
 attention_mask expanded to a (B, 1, L, S) bool); the peer is the same step on a batch of
 the same shape without padding (no mask). Target: at most 0.65x the unpadded step at
 8 x 512. A second line times the padded step with the padding masked, not skipped
-(sdpa.rows' key spans and real rows turned off): what skipping saves.
+(sdpa.rows' key spans and real rows turned off): what skipping saves. A third declares
+the padded queries in the mask (`masks.padding(lengths, queries=True)`): the calls' fused
+forward and backward skip those rows too, whose output is then 0 (the loss on the output
+reads only real rows there; the KL gives padded rows no weight either way).
 
     python benchmarks/bench_padding.py [--quick] [--no-memory] [--json FILE]
 
@@ -26,7 +29,7 @@ import sys
 import torch
 
 import sdpa
-from sdpa import losses, rows
+from sdpa import losses, masks, rows
 from sdpa.benchmark import Comparison, main
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,8 +43,9 @@ H, E = 12, 32
 TARGET = {512: 0.65}
 
 
-def inputs(B: int, L: int, padded: bool) -> dict:
-    """q, k, v (student, requiring grad), the teacher's, and the masks of one batch."""
+def inputs(B: int, L: int, padded: bool, queries: bool = False) -> dict:
+    """q, k, v (student, requiring grad), the teacher's, and the masks of one batch;
+    queries: the mask declares the padded queries (masks.padding)."""
     g = torch.Generator().manual_seed(0)
     x = [torch.randn(B, H, L, E, generator=g) for _ in range(6)]
     for t in x[:3]:
@@ -49,6 +53,8 @@ def inputs(B: int, L: int, padded: bool) -> dict:
     if not padded:
         return {"x": x, "mask": None, "keep": None}
     keep = torch.arange(L)[None, :] < torch.tensor(row_lengths(B, L))[:, None]  # (B, L)
+    if queries:
+        return {"x": x, "mask": masks.padding(row_lengths(B, L), queries=True), "keep": keep}
     return {"x": x, "mask": keep[:, None, None, :].expand(B, 1, L, L), "keep": keep}
 
 
@@ -70,15 +76,16 @@ def step(batch: dict, skip: bool = True) -> None:
         out, ws = sdpa.attention(q, k, v, batch["mask"])
         with torch.no_grad():
             wt = sdpa.attention(qt, kt, vt, batch["mask"]).weights
-        loss = losses.attention_kl(ws, wt, batch["keep"]) + out.square().mean()
+        real = out if batch["keep"] is None else out * batch["keep"][:, None, :, None]
+        loss = losses.attention_kl(ws, wt, batch["keep"]) + real.square().mean()
         loss.backward()
     for t in (q, k, v):
         t.grad = None
 
 
-def side(B: int, L: int, padded: bool, skip: bool = True):
+def side(B: int, L: int, padded: bool, skip: bool = True, queries: bool = False):
     def setup():
-        batch = inputs(B, L, padded)
+        batch = inputs(B, L, padded, queries)
         return lambda: step(batch, skip)
 
     return setup
@@ -106,6 +113,15 @@ def comparisons() -> list[Comparison]:
                 shape=shape,
                 dtype="float32",
                 ours=("padding masked", side(B, L, True, skip=False)),
+                peer=unpadded,
+                grad=True,  # (the step runs its own backward)
+                length=L,
+            ),
+            Comparison(
+                case=f"padded step queries {B}x{L}",
+                shape=shape,
+                dtype="float32",
+                ours=("padded queries declared", side(B, L, True, queries=True)),
                 peer=unpadded,
                 grad=True,  # (the step runs its own backward)
                 length=L,

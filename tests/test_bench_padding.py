@@ -10,8 +10,13 @@ from loader import load_file, quick_rows
 
 def test_quick_run_times_both_cases(tmp_path):
     rows = quick_rows("benchmarks/bench_padding.py", tmp_path)
-    assert [r["case"] for r in rows] == ["padded step 2x64", "padded step masked 2x64"]
-    assert [r["impl"] for r in rows] == ["padding skipped", "padding masked"]
+    cases = ["padded step 2x64", "padded step masked 2x64", "padded step queries 2x64"]
+    assert [r["case"] for r in rows] == cases
+    assert [r["impl"] for r in rows] == [
+        "padding skipped",
+        "padding masked",
+        "padded queries declared",
+    ]
     assert all(r["peer"] == "the batch without padding" and r["ratio"] > 0 for r in rows)
 
 
@@ -31,3 +36,25 @@ def test_skipped_and_masked_steps_give_the_same_gradients():
     for name in ("q", "k", "v"):
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
     assert bench.inputs(4, 40, padded=True)["keep"].float().mean() < 0.9  # (it is padded)
+
+
+def test_declared_queries_give_the_real_rows_gradients():
+    """Padded queries declared in the mask: the gradients of the real rows and keys are
+    the key-padded step's (the padded rows' output and weights are 0, and no loss term
+    reads them)."""
+    bench = load_file("benchmarks/bench_padding.py")
+    grads = []
+    for queries in (False, True):
+        batch = bench.inputs(4, 40, padded=True, queries=queries)
+        x = batch["x"][:3]
+        captured = {}
+        for t, name in zip(x, "qkv", strict=True):
+            t.register_hook(lambda g, name=name, into=captured: into.__setitem__(name, g.clone()))
+        bench.step(batch)
+        grads.append(captured)
+    keep = bench.inputs(4, 40, padded=True)["keep"][:, None, :, None]  # (B, 1, L, 1)
+    for name in "qkv":
+        torch.testing.assert_close(
+            grads[1][name] * keep, grads[0][name] * keep, atol=1e-6, rtol=1e-5
+        )
+    assert (grads[1]["q"] * ~keep == 0).all()  # (padded rows: no gradient)

@@ -337,3 +337,32 @@ def test_declared_padded_queries_are_never_computed(monkeypatch):
     torch.testing.assert_close(
         full[live[..., :1].expand_as(full)], keys_only.weights.full()[live[..., :1].expand_as(full)]
     )
+
+
+@pytest.mark.parametrize("mask_of", ["padding", "padding & causal"])
+def test_the_small_backend_zeroes_declared_queries_with_their_gradients(mask_of):
+    """The one-product path scores declared padded rows as open and zeroes them (where
+    rows of -inf would take the dead-row repair): output, kept weights and the gradients
+    of both equal the float64 oracle on the materialised mask, rows past a length and
+    an element with no row included; and it is the path the call took."""
+    B, H, L = 3, 2, 40
+    lengths = [25, 0, 40]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, L, 8, generator=g, requires_grad=True) for _ in range(3))
+    mask = masks.padding(lengths, queries=True)
+    if mask_of == "padding & causal":
+        mask = masks.causal() & mask
+    with sdpa_settings.override(small_weights=2**21, small_head=2**16, small_causal=2**14):
+        assert masks.query_spans(mask, B, L) is not None
+        out, w = sdpa.attention(q, k, v, mask)
+        assert w.served_by.startswith("small")
+        p = w.full()
+    c_out, c_p = torch.randn(out.shape, generator=g), torch.randn(p.shape, generator=g)
+    got = torch.autograd.grad((c_out * out).sum() + (c_p * p).sum(), (q, k, v))
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r_out, r_p = oracle(*ref, mask.materialize(L, L))
+    want = torch.autograd.grad((c_out * r_out).sum() + (c_p * r_p).sum(), ref)
+    torch.testing.assert_close(out.double(), r_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(p.double(), r_p, atol=2e-6, rtol=0)
+    for a, b, name in zip(got, want, "qkv", strict=True):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0, msg=name)

@@ -77,11 +77,29 @@ def _attend(inputs: Inputs, v: torch.Tensor | None) -> tuple[torch.Tensor | None
     window = tile.additive(mask, cd)
     if causal:  # top-left
         window = masks.combine(tile.causal_bias(L, S, cd, q.device), window)
+    live = _live_rows(inputs, L, q.device)  # (B, 1, L, 1) bool, or None
+    if live is not None:  # declared padded queries: scored as if open, then zeroed (a
+        # product, where the rows of -inf would take the dead-row repair's passes)
+        window = window.masked_fill(~live, 0.0)
     # no mask (or top-left causal only): every row sees a key, known without a look
     out, _, p = tile.attend(
         q, k, v, window, tile.Scoring.of(inputs), lse=False, every_row_sees_a_key=mask is None
     )
+    if live is not None:
+        out, p = (None if out is None else out * live), p * live
     return out, p
+
+
+def _live_rows(inputs: Inputs, L: int, device: torch.device) -> torch.Tensor | None:
+    """(B, 1, L, 1) bool: the rows the mask lets see a key where it declares padded
+    queries (masks.query_spans, from the host), else None."""
+    spans = masks.query_spans(inputs.mask, inputs.query.shape[0], L)
+    if spans is None:
+        return None
+    bounds = torch.tensor(spans, device=device)  # (B, 2)
+    at = torch.arange(L, device=device)
+    live = (at >= bounds[:, :1]) & (at < bounds[:, 1:])  # (B, L)
+    return live[:, None, :, None]
 
 
 def _over_limits(inputs: Inputs) -> str:
