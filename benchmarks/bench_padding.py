@@ -97,35 +97,28 @@ def comparisons() -> list[Comparison]:
         pad = 1 - sum(row_lengths(B, L)) / (B * L)
         shape = f"({B}, {H}, {L}, {E}), {pad:.0%} padding: call, KL, backward"
         unpadded = ("the batch without padding", side(B, L, False))
+        sides = [  # (case, what ours is, its side, target)
+            (f"padded step {B}x{L}", "padding skipped", side(B, L, True), TARGET.get(L)),
+            (f"padded step masked {B}x{L}", "padding masked", side(B, L, True, skip=False), None),
+            (
+                f"padded step queries {B}x{L}",
+                "padded queries declared",
+                side(B, L, True, queries=True),
+                None,
+            ),
+        ]
         out += [
             Comparison(
-                case=f"padded step {B}x{L}",
+                case=case,
                 shape=shape,
                 dtype="float32",
-                ours=("padding skipped", side(B, L, True)),
+                ours=(impl, ours),
                 peer=unpadded,
-                target=TARGET.get(L),
+                target=target,
                 grad=True,  # (the step runs its own backward)
                 length=L,
-            ),
-            Comparison(
-                case=f"padded step masked {B}x{L}",
-                shape=shape,
-                dtype="float32",
-                ours=("padding masked", side(B, L, True, skip=False)),
-                peer=unpadded,
-                grad=True,  # (the step runs its own backward)
-                length=L,
-            ),
-            Comparison(
-                case=f"padded step queries {B}x{L}",
-                shape=shape,
-                dtype="float32",
-                ours=("padded queries declared", side(B, L, True, queries=True)),
-                peer=unpadded,
-                grad=True,  # (the step runs its own backward)
-                length=L,
-            ),
+            )
+            for case, impl, ours, target in sides
         ]
     return out
 

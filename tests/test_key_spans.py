@@ -267,6 +267,22 @@ def test_losses_skip_padded_queries_and_equal_the_full_reads(case):
             )
 
 
+def _count_tile_scores(monkeypatch) -> list[int]:
+    """Spans looked for at any size, and a list that gets each tile's heads x rows x keys
+    as the rows engine computes it (rows.operands)."""
+    monkeypatch.setattr(rows, "SPAN_MIN_SCORES", 0)
+    seen = []
+    operands = rows.operands
+
+    def counted(r, t):
+        got = operands(r, t)
+        seen.append(got[0].shape[1] * got[0].shape[2] * got[1].shape[2])
+        return got
+
+    monkeypatch.setattr(rows, "operands", counted)
+    return seen
+
+
 def test_skipped_rows_and_keys_are_never_computed(monkeypatch):
     """What is skipped costs nothing: the tiles of a KL read over padded queries (declared
     real rows) and padded keys hold only the real rows x real keys, and the rows left out
@@ -276,22 +292,13 @@ def test_skipped_rows_and_keys_are_never_computed(monkeypatch):
     keep[0, :25], keep[1, 10:40], keep[2, :40] = True, True, True  # right, left, none
     q, k, qt, kt = (torch.randn(B, H, L, 8) for _ in range(4))
     mask = keep[:, None, None, :]
-    monkeypatch.setattr(rows, "SPAN_MIN_SCORES", 0)
-    seen = []
-    operands = rows.operands
-
-    def counted(r, t):
-        got = operands(r, t)
-        seen.append(got[0].shape[1] * got[0].shape[2] * got[1].shape[2])  # heads x rows x keys
-        return got
-
-    monkeypatch.setattr(rows, "operands", counted)
+    seen = _count_tile_scores(monkeypatch)
     ws = sdpa.attention(q, k, k, mask).weights
     wt = sdpa.attention(qt, kt, kt, mask).weights
     per_row = ws._kl(wt, real=keep)
     real = keep.sum(-1)
     assert sum(seen) == 2 * H * int((real * real).sum())  # (each side's tiles)
-    monkeypatch.setattr(rows, "operands", operands)
+    monkeypatch.undo()
     torch.testing.assert_close(per_row, ws.kl(wt).masked_fill(~keep[:, None], 0.0))
     assert (per_row[~keep[:, None].expand(B, H, L)] == 0).all()
 
@@ -304,16 +311,7 @@ def test_declared_padded_queries_are_never_computed(monkeypatch):
     lengths = [25, 0, 40]
     q, k, qt = (torch.randn(B, H, L, 8, requires_grad=True) for _ in range(3))
     padded = masks.padding(lengths, queries=True)
-    monkeypatch.setattr(rows, "SPAN_MIN_SCORES", 0)
-    seen = []
-    operands = rows.operands
-
-    def counted(r, t):
-        got = operands(r, t)
-        seen.append(got[0].shape[1] * got[0].shape[2] * got[1].shape[2])  # heads x rows x keys
-        return got
-
-    monkeypatch.setattr(rows, "operands", counted)
+    seen = _count_tile_scores(monkeypatch)
     out, ws = sdpa.attention(q, k, k, padded)
     wt = sdpa.attention(qt, k, k, padded).weights
     real = torch.tensor(lengths)
@@ -326,7 +324,7 @@ def test_declared_padded_queries_are_never_computed(monkeypatch):
     seen.clear()
     value.sum().backward()  # (the KL's backward into each side reads both sides' tiles)
     assert sum(seen) == 4 * real_scores and q.grad is not None and qt.grad is not None
-    monkeypatch.setattr(rows, "operands", operands)
+    monkeypatch.undo()
     rows_out = torch.arange(L) >= real[:, None]  # (B, L): the padded query rows
     keys_only = sdpa.attention(q, k, k, masks.padding(lengths))
     assert (out[rows_out[:, None].expand(B, H, L)] == 0).all()
