@@ -633,11 +633,14 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     top k of each tile's shifted scores (tile.top_keys; torch.topk under a mask, whose
     -inf keys tie), then the tile's exponentials in place for the rows' normaliser, the
     k weights exp(t) / T of the row (normalised by its own sum, as p is)."""
-    B, H, n, _ = r.shape
+    B, H, n, m = r.shape
     values = results(r, B, H, n, k)
     indices = results(r, B, H, n, k, dtype=torch.long)
     if empty(*r.shape):
         return values, indices
+    if r.real is not None or r.live is not None:  # a row left out: weights all 0, whose
+        # top k torch.topk picks among ties, as it does on the dense row
+        indices[:] = torch.full((m,), -torch.inf, device=r.device).topk(k).indices
     r = r._replace(keys=ALL)
     if r.spans is not None and any(hi - lo < k for lo, hi, _ in r.spans):
         r = r._replace(spans=None)  # (k past a span: the padded keys' ties, as torch.topk's)
