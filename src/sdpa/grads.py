@@ -272,11 +272,20 @@ class _Kept(torch.autograd.Function):
     def backward(ctx, g):
         ctx.versions.check()
         higher = torch.is_grad_enabled()  # (create_graph=True: the recomputation's graph)
-        wanted = [t for t in ctx.tensors if t is not None and t.requires_grad]
+        # each tensor once: where q is k (a self-relation, attention(x, x, x)) the
+        # gradient of p with respect to it is already the whole one; handed out for both
+        # slots, autograd would add it twice
+        wanted = list({id(t): t for t in ctx.tensors if t is not None and t.requires_grad}.values())
         with torch.enable_grad():
             p = ctx.again()
-        found = iter(torch.autograd.grad(p, wanted, g, allow_unused=True, create_graph=higher))
-        dts = [next(found) if t is not None and t.requires_grad else None for t in ctx.tensors]
+        found = dict(
+            zip(
+                map(id, wanted),
+                torch.autograd.grad(p, wanted, g, allow_unused=True, create_graph=higher),
+                strict=True,
+            )
+        )
+        dts = [None if t is None else found.pop(id(t), None) for t in ctx.tensors]
         return (None, None, *dts)
 
 
