@@ -148,16 +148,26 @@ def real_rows(r: Rows, keep: torch.Tensor | None) -> Rows:
     the rows r reads already): the other rows read as 0, with gradient 0, uncomputed.
     Only for a caller that gives the padded rows no weight (a loss that masks them
     out). None, or keep off the CPU (read it and the host would sync), keeps every row."""
+    real = read_rows(r.real, keep)
+    return r if real is r.real else r._replace(real=real)
+
+
+def read_rows(
+    real: tuple[tuple[int, int], ...] | None, keep: torch.Tensor | None
+) -> tuple[tuple[int, int], ...] | None:
+    """The rows a read computes per batch element (real_rows' rule): within `real` (None:
+    every row), from the first to the last row keep (B, L) marks; `real` itself where
+    keep is None or off the CPU."""
     if keep is None or not keep.is_cpu:
-        return r
+        return real
     B, L = keep.shape
     found = masks.key_spans(keep[:, None, None, :], B, L)  # (the span of the Trues)
     if found is None:
-        return r
-    real = tuple((lo, hi) for lo, hi, _ in found)
-    if r.real is not None:
-        real = tuple(_meet(a, b) for a, b in zip(r.real, real, strict=True))
-    return r._replace(real=real)
+        return real
+    spans = tuple((lo, hi) for lo, hi, _ in found)
+    if real is not None:
+        spans = tuple(_meet(a, b) for a, b in zip(real, spans, strict=True))
+    return spans
 
 
 def joint(a: Rows, b: Rows) -> tuple[Rows, Rows]:

@@ -449,7 +449,9 @@ class _Reads(Lazy):
         head_map: for weights with other heads, which of other's query heads each of
         these heads is compared with (a list or 1-D integer tensor of length Hq).
         Differentiable into both sides as they require grad, tile by tile (never
-        L x S): into w, g (w - t) (forward) or g w (ln w - ln t - KL) (reverse)."""
+        L x S): into w, g (w - t) (forward) or g w (ln w - ln t - KL) (reverse). Where
+        both sides' whole weights are kept (small calls: the small backend's, or one
+        product), one elementwise pass over them instead, on CPU, with the same value."""
         return self._kl(other, reverse, head_map)
 
     def _kl(self, other, reverse: bool = False, head_map=None, real=None) -> torch.Tensor:
@@ -459,6 +461,11 @@ class _Reads(Lazy):
         check_flag("reverse", reverse)
         self._check_fresh()
         i = self._inputs
+        if isinstance(other, _Reads) and head_map is None and not self._shape_only:
+            other._check_fresh()
+            value = self._held_kl(other, reverse, real)
+            if value is not None:
+                return self._lead(value)
         mine = self._every_row()
         if isinstance(other, _Reads):
             other._check_fresh()
@@ -509,6 +516,44 @@ class _Reads(Lazy):
             watch = [other] if theirs is None else grads.watched(theirs.inputs)
             value = grads.read_sides(lambda v=value: v, sides, extras, watch)
         return self._lead(value)
+
+    def _held_kl(self, other: _Reads, reverse: bool, real) -> torch.Tensor | None:
+        """kl from both sides' whole weights where they are kept or small (`_held`: the
+        small backend's, or one product), on CPU: one elementwise pass over them, which
+        torch differentiates through each side's kept graph, where tiles would compute
+        both sides' scores again; (B, Hq, L), rows outside `real` 0 as rows.real_rows
+        leaves them. None where a side has no such weights, or where the value is not
+        finite (a NaN, or a key the first side weighs that the second gives 0: a mask's
+        +inf, or a weight that underflowed, whose log the tiles keep): the tiles then."""
+        if self.device.type != "cpu" or other._shape_only:
+            return None
+        mine, theirs = self._held(), other._held()
+        if (
+            mine is None
+            or theirs is None
+            or (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype)
+        ):
+            return None
+        with no_autocast(self.device.type):
+            if self._needs() is not None:
+                mine = self._held(grad=True)
+            if torch.is_grad_enabled() and other._needs() is not None:
+                theirs = other._held(grad=True)
+            first, second = (mine, theirs) if reverse else (theirs, mine)
+            seen = first > 0  # (0 log 0 = 0; the logs of 1 elsewhere keep gradients finite)
+            terms = first * (
+                torch.where(seen, first, 1.0).log() - torch.where(seen, second, 1.0).log()
+            )
+            value = torch.where(seen, terms, 0.0).sum(dim=-1)  # (B, Hq, L)
+        if not bool(value.detach().isfinite().all()):  # (one host read of B x Hq x L)
+            return None
+        read = rows.read_rows(rows.query_spans(self._inputs), real)
+        if read is not None:
+            at = torch.arange(value.shape[-1], device=value.device)
+            bounds = torch.tensor(read, device=value.device)  # (B, 2)
+            kept = (at >= bounds[:, :1]) & (at < bounds[:, 1:])  # (B, L)
+            value = value * kept[:, None, :]
+        return value
 
     def score_errors(self, other: AttentionWeights, head_map=None) -> torch.Tensor:
         """The squared differences between the pre-softmax scores of these weights' call
