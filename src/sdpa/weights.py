@@ -525,8 +525,8 @@ class _Reads(Lazy):
         leaves them. None where a side has no such weights, or where the value is not
         finite (a NaN, or a key the first side weighs that the second gives 0: a mask's
         +inf, or a weight that underflowed, whose log the tiles keep): the tiles then."""
-        if self.device.type != "cpu" or other._shape_only:
-            return None
+        if self.device.type != "cpu" or other._shape_only or torch.compiler.is_compiling():
+            return None  # (its finite check reads the host: no graph material)
         mine, theirs = self._held(), other._held()
         if (
             mine is None
