@@ -461,16 +461,14 @@ class _Reads(Lazy):
         check_flag("reverse", reverse)
         self._check_fresh()
         i = self._inputs
-        if isinstance(other, _Reads) and head_map is None and not self._shape_only:
-            other._check_fresh()
-            value = self._held_kl(other, reverse, real)
-            if value is not None:
-                return self._lead(value)
-        mine = self._every_row()
         if isinstance(other, _Reads):
             other._check_fresh()
+            if head_map is None and not self._shape_only:
+                value = self._held_kl(other, reverse, real)
+                if value is not None:
+                    return self._lead(value)
             o_inputs, o_lse = _aligned(other, head_map, i)
-            mine, theirs = rows.joint(mine, rows.Rows.every(o_inputs, o_lse))
+            mine, theirs = rows.joint(self._every_row(), rows.Rows.every(o_inputs, o_lse))
             mine, theirs = rows.real_rows(mine, real), rows.real_rows(theirs, real)
 
             def other_source(budget, both=False):
@@ -483,7 +481,7 @@ class _Reads(Lazy):
                 )
             target = _dense_target(other, i)  # (B|1, Hq|1, L, S)
             # (its mass may sit anywhere; its gradient is laid out over every row)
-            mine, theirs = mine._replace(spans=None, real=None), None
+            mine, theirs = self._every_row()._replace(spans=None, real=None), None
 
             def other_source(budget, both=False):
                 return rows.DenseSource(target)
@@ -525,7 +523,7 @@ class _Reads(Lazy):
         leaves them. None where a side has no such weights, or where the value is not
         finite (a NaN, or a key the first side weighs that the second gives 0: a mask's
         +inf, or a weight that underflowed, whose log the tiles keep): the tiles then."""
-        if self.device.type != "cpu" or other._shape_only or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.device.type != "cpu" or other._shape_only:
             return None  # (its finite check reads the host: no graph material)
         mine, theirs = self._held(), other._held()
         if (
