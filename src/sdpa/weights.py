@@ -551,6 +551,9 @@ class _Reads(Lazy):
             bounds = torch.tensor(read, device=value.device)  # (B, 2)
             kept = (at >= bounds[:, :1]) & (at < bounds[:, 1:])  # (B, L)
             value = value * kept[:, None, :]
+        if value.requires_grad:  # (either side's q, k, mask or sinks changed after the
+            # read: its backward refuses, as the tiles' does, which read them again)
+            value = grads.watch(value, grads.watched(self._inputs) + grads.watched(other._inputs))
         return value
 
     def score_errors(self, other: AttentionWeights, head_map=None) -> torch.Tensor:
