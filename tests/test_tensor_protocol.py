@@ -412,13 +412,16 @@ print((peak_rss_kib() - base) / 1024)
 """
 
 
-def test_lazy_reads_of_16384_keys_stay_under_64_mib():
+def test_lazy_reads_of_16384_keys_stay_under_96_mib():
     """Peak memory of the O(n) reads and their backwards at L = S = 16384 in a fresh
-    process: below 64 MiB, where the dense weights take 1 GiB."""
+    process: below 96 MiB, where the dense weights take 1 GiB. (The peak resident set
+    over thirteen reads depends on how glibc reuses freed pages: measured 39-41 MiB on
+    torch 2.13 and 45-66 MiB on torch 2.14.1 over repeated runs of the same code; the
+    64 MiB bound this test had failed one CI run on 2.14.1 at 66.8.)"""
     done = subprocess.run([sys.executable, "-c", PEAK_CHILD], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     mib = float(done.stdout.strip().splitlines()[-1])
-    assert mib < 64, done.stderr
+    assert mib < 96, done.stderr
 
 
 def test_moving_the_handle_moves_its_recipe_not_the_weights(gen):
