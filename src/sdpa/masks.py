@@ -738,6 +738,14 @@ def query_spans(mask: object, B: int, L: int) -> tuple[tuple[int, int], ...] | N
     return tuple(found) if len(found) == B else None
 
 
+def rows_within(spans: tuple[tuple[int, int], ...], L: int, device) -> torch.Tensor:
+    """(B, L) bool: whether each of L query rows lies in its batch element's [lo, hi)
+    (query_spans' rows)."""
+    bounds = torch.tensor(spans, device=device)  # (B, 2)
+    at = torch.arange(L, device=device)
+    return (at >= bounds[:, :1]) & (at < bounds[:, 1:])
+
+
 def _and_query_spans(
     a: list[tuple[int, int]] | None, b: list[tuple[int, int]] | None
 ) -> list[tuple[int, int]] | None:

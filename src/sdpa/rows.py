@@ -114,27 +114,27 @@ def key_spans(inputs: Inputs) -> tuple[masks.KeySpan, ...] | None:
     shapes in O(1) first: None without a mask or below SPAN_MIN_SCORES. The tiles of
     complete rows then cover only those keys, and skip the mask where it is all True:
     the padded keys' weights are 0 and cost nothing."""
-    mask = inputs.mask
-    if mask is None:
+    if not _worth_a_look(inputs):
         return None
+    return masks.key_spans(inputs.mask, inputs.query.shape[0], inputs.key.shape[2])
+
+
+def _worth_a_look(inputs: Inputs) -> bool:
+    """Whether a call's mask is worth reading for spans, from shapes in O(1): a mask, and
+    at least SPAN_MIN_SCORES scores."""
+    if inputs.mask is None:
+        return False
     B, H, L, _ = inputs.query.shape
-    S = inputs.key.shape[2]
-    if B * H * L * S < SPAN_MIN_SCORES:
-        return None
-    return masks.key_spans(mask, B, S)
+    return B * H * L * inputs.key.shape[2] >= SPAN_MIN_SCORES
 
 
 def query_spans(inputs: Inputs) -> tuple[tuple[int, int], ...] | None:
     """The call's declared padded queries (masks.query_spans: per batch element, the rows
     [lo, hi) outside which a row sees no key), decided from shapes in O(1) first: None
     without a mask or below SPAN_MIN_SCORES."""
-    mask = inputs.mask
-    if mask is None:
+    if not _worth_a_look(inputs):
         return None
-    B, H, L, _ = inputs.query.shape
-    if B * H * L * inputs.key.shape[2] < SPAN_MIN_SCORES:
-        return None
-    return masks.query_spans(mask, B, L)
+    return masks.query_spans(inputs.mask, inputs.query.shape[0], inputs.query.shape[2])
 
 
 def _meet(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:

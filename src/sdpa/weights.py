@@ -547,10 +547,7 @@ class _Reads(Lazy):
             return None
         read = rows.read_rows(rows.query_spans(self._inputs), real)
         if read is not None:
-            at = torch.arange(value.shape[-1], device=value.device)
-            bounds = torch.tensor(read, device=value.device)  # (B, 2)
-            kept = (at >= bounds[:, :1]) & (at < bounds[:, 1:])  # (B, L)
-            value = value * kept[:, None, :]
+            value = value * masks.rows_within(read, value.shape[-1], value.device)[:, None, :]
         if value.requires_grad:  # (either side's q, k, mask or sinks changed after the
             # read: its backward refuses, as the tiles' does, which read them again)
             value = grads.watch(value, grads.watched(self._inputs) + grads.watched(other._inputs))

@@ -96,10 +96,7 @@ def _live_rows(inputs: Inputs, L: int, device: torch.device) -> torch.Tensor | N
     spans = masks.query_spans(inputs.mask, inputs.query.shape[0], L)
     if spans is None:
         return None
-    bounds = torch.tensor(spans, device=device)  # (B, 2)
-    at = torch.arange(L, device=device)
-    live = (at >= bounds[:, :1]) & (at < bounds[:, 1:])  # (B, L)
-    return live[:, None, :, None]
+    return masks.rows_within(spans, L, device)[:, None, :, None]
 
 
 def _over_limits(inputs: Inputs) -> str:
