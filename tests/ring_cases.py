@@ -197,7 +197,7 @@ def weights(rank, world, *, seed, layout="contiguous", causal=False, mask=None, 
 def disagree(rank, world, *, what):
     """Ranks that call with different shapes or masks, one rank with a bad mask, or one
     whose weights went stale: the error every rank raises (type and message), or None."""
-    q = torch.randn(1, 2, 8 if what != "shape" or rank == 0 else 6, 4)
+    q = torch.randn(1, 2, 8, 4 if what != "shape" or rank == 0 else 6)  # (the head size)
     mask = "not a mask" if what == "bad_mask" and rank == world - 1 else None
     if what == "score_mod" and rank == world - 1:  # softcap / sinks: not run by the ring
         mask = masks.softcap(5.0, masks.causal())

@@ -129,7 +129,7 @@ def test_ranks_with_different_shapes_all_raise(group):
     messages = _ok(group("disagree", what="shape"))
     for rank, message in enumerate(messages):
         assert message is not None and message.startswith("RingError"), message
-        assert f"rank {rank}:" in message and "rank 1 [1, 2, 6, 4]" in message
+        assert f"rank {rank}:" in message and "query: rank 0 [1, 2, 4], rank 1 [1, 2, 6]" in message
 
 
 def test_ranks_with_different_masks_all_raise(group):
@@ -177,7 +177,8 @@ def test_a_rank_that_never_calls_gives_timeouts_not_a_hang():
     assert messages[0].startswith("RingTimeoutError after"), messages[0]
     waited = float(messages[0].split()[2])
     assert 1.5 <= waited <= 10, messages[0]
-    assert "not every rank of the group reached ring attention" in messages[0]
+    assert "not every rank reached ring_attention" in messages[0]
+    assert "destroy_process_group()" in messages[0]  # the group is unusable now: say so
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -215,7 +216,7 @@ def test_shard_and_unshard_round_trip():
 def test_shard_refuses_uneven_lengths_and_unknown_layouts():
     with pytest.raises(ValueError, match="does not cut into 6 equal chunks"):
         sd.shard(torch.zeros(1, 10, 2), 0, 3, layout="zigzag")
-    with pytest.raises(ValueError, match="layout must be 'contiguous' or 'zigzag'"):
+    with pytest.raises(ValueError, match="layout must be 'contiguous', 'zigzag' or"):
         sd.shard(torch.zeros(1, 12, 2), 0, 3, layout="striped")
     with pytest.raises(ValueError, match="rank must be in"):
         sd.shard(torch.zeros(1, 12, 2), 3, 3)

@@ -2,13 +2,15 @@
 
     torchrun --nproc-per-node 4 examples/ring.py
 
-`ring_attention` is `sdpa.attention` for a sequence cut into one shard per rank along
-dim -2; `shard`, `unshard` and `positions` cut and join sequences in either layout.
+`ring_attention`, `ulysses_attention` and `hybrid_attention` are `sdpa.attention` for a
+sequence cut into one shard per rank along dim -2 (the ring, DeepSpeed-Ulysses, and
+Ulysses inside a group with the ring across groups); `shard`, `unshard` and `positions`
+cut and join sequences in any layout; `traffic` counts the bytes sent.
 """
 
-from sdpa.distributed.comm import RingError, RingTimeoutError
-from sdpa.distributed.layout import LAYOUTS, positions, shard, unshard
-from sdpa.distributed.ring import ring_attention
+from sdpa.distributed.comm import RingError, RingTimeoutError, Traffic, traffic
+from sdpa.distributed.layout import LAYOUTS, per_document, positions, shard, unshard
+from sdpa.distributed.schemes import hybrid_attention, ring_attention, ulysses_attention
 from sdpa.distributed.weights import RingWeights
 
 __all__ = [
@@ -16,8 +18,13 @@ __all__ = [
     "RingError",
     "RingTimeoutError",
     "RingWeights",
+    "Traffic",
+    "hybrid_attention",
+    "per_document",
     "positions",
     "ring_attention",
     "shard",
+    "traffic",
+    "ulysses_attention",
     "unshard",
 ]

@@ -1,17 +1,26 @@
-"""The ring's communication: a header check before any work, then neighbour transfers,
-every wait bounded by a timeout so that a rank that fails or never comes gives an error
-on the others instead of a hang.
+"""The communication of sdpa.distributed: a header check before any work, then
+point-to-point transfers between the ranks of an ordered list, every wait bounded by a
+timeout so that a rank that fails or never comes gives an error on the others instead
+of a hang.
 
-Everything here is a collective of the process group: every rank calls it in the same
-order. After an error the group's connections may be closed; start a fresh group.
+Every transfer is a point-to-point send (torch.distributed.batch_isend_irecv), so a
+"ring" is any ordered list of global ranks (a process group's, or the ranks of a hybrid
+scheme's groups in sequence order), and every byte sent is counted here, by what it
+carries (`traffic`).
+
+Everything here is a collective of the ranks of the ring: every rank calls it in the
+same order. After a timeout the process group is unusable (a gloo or NCCL operation
+in flight cannot be cancelled): destroy it and start a fresh one.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -21,6 +30,12 @@ from sdpa import masks
 
 HEADER_BYTES = 4096
 T = TypeVar("T")
+CONTROL = "control"  # headers: what every call sends besides its payload
+TAGS = {CONTROL: 1, "kv": 2, "grad": 3, "q": 4, "out": 5, "lse": 6, "reads": 7}
+AFTER_TIMEOUT = (
+    "the process group cannot be used after this (an operation in flight cannot be "
+    "cancelled): call torch.distributed.destroy_process_group() and start a new group"
+)
 
 
 def valid_timeout(timeout: object) -> bool:
@@ -54,25 +69,77 @@ class RingTimeoutError(RingError, TimeoutError):
     """A peer did not answer within the timeout."""
 
 
-class Ring:
-    """This rank's place in the group's ring: it receives from `prev`, sends to `next`."""
+class Traffic:
+    """Bytes this process sent through sdpa.distributed while it was active, by what
+    they carried: "kv" (key/value shards), "grad" (gradients), "q", "out", "lse"
+    (Ulysses' all-to-alls), "reads" (the weights' reads), "control" (headers)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout: float):
+    def __init__(self) -> None:
+        self.sent: collections.Counter[str] = collections.Counter()
+
+    @property
+    def payload(self) -> int:
+        return sum(n for what, n in self.sent.items() if what != CONTROL)
+
+    @property
+    def control(self) -> int:
+        return self.sent[CONTROL]
+
+    def __repr__(self) -> str:
+        return f"Traffic(payload={self.payload}, control={self.control}, {dict(self.sent)})"
+
+
+_COUNTING: list[Traffic] = []
+
+
+@contextlib.contextmanager
+def traffic() -> Iterator[Traffic]:
+    """Count the bytes this process sends through sdpa.distributed inside the block:
+
+    with sd.traffic() as sent:
+        out, w = sd.ring_attention(q, k, v)
+    sent.payload, sent.control, sent.sent["kv"]
+    """
+    counter = Traffic()
+    _COUNTING.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTING.remove(counter)
+
+
+def _count(what: str, tensors: Sequence[torch.Tensor]) -> None:
+    if _COUNTING:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        for counter in _COUNTING:
+            counter.sent[what] += nbytes
+
+
+class Ring:
+    """This rank's place in an ordered list of ranks: `ranks` are global ranks (default:
+    those of `group`, in its order); rank and world are this process's index in the
+    list and the list's length. Transfers are point-to-point, on `group`."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, timeout: float, ranks: Sequence[int] | None = None
+    ):
         """timeout: seconds every wait may take (valid_timeout(timeout) must hold)."""
         if not dist.is_available() or not dist.is_initialized():  # local: before any collective
             raise RuntimeError(
-                "ring attention needs torch.distributed initialised: call "
+                "sdpa.distributed needs torch.distributed initialised: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets "
                 "the environment for it)"
             )
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        if ranks is None:
+            world = dist.get_world_size(group)
+            ranks = [dist.get_global_rank(group, r) if group else r for r in range(world)]
+        self._global = list(ranks)
+        self.world = len(self._global)
+        self.rank = self._global.index(dist.get_rank())
         self.next = (self.rank + 1) % self.world
         self.prev = (self.rank - 1) % self.world
         self.timeout = timeout
-        # p2p ops take global ranks
-        self._global = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
 
     def _wait(self, works, what: Callable[[], str]) -> None:
         try:
@@ -80,12 +147,70 @@ class Ring:
                 w.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
             said = str(e).lower()
-            kind = RingTimeoutError if "timeout" in said or "timed out" in said else RingError
-            raise kind(f"rank {self.rank}: {what()} ({e})") from None
+            timed_out = "timeout" in said or "timed out" in said
+            kind = RingTimeoutError if timed_out else RingError
+            after = f"; {AFTER_TIMEOUT}" if timed_out else ""
+            raise kind(f"rank {self.rank}: {what()} ({e}){after}") from None
 
-    def agree(self, header: dict, device: torch.device) -> list[dict]:
+    def start(
+        self,
+        sends: dict[int, Sequence[torch.Tensor]],
+        recvs: dict[int, Sequence[torch.Tensor]],
+        what: str,
+    ) -> list:
+        """Send tensors to some ranks and receive others' into given buffers (peers are
+        indices in this ring), without waiting; `what` names the payload (Traffic's
+        keys). Between two ranks, sends and receives of one kind match in order."""
+        own = self.rank
+        if own in sends or own in recvs:  # this rank to itself: a copy
+            for s, r in zip(sends.pop(own, ()), recvs.pop(own, ()), strict=True):
+                r.copy_(s)
+        tag = TAGS[what]
+        ops = [
+            dist.P2POp(dist.isend, t.contiguous(), self._global[p], self.group, tag)
+            for p, ts in sends.items()
+            for t in ts
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, self._global[p], self.group, tag)
+            for p, ts in recvs.items()
+            for t in ts
+        ]
+        _count(what, [t for ts in sends.values() for t in ts])
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def finish(self, works: list, what: str) -> None:
+        """Wait for transfers started by `start`; `what` says which call and step."""
+        self._wait(
+            works,
+            lambda: (
+                f"{what}: a transfer did not finish within {self.timeout} s; a rank failed, "
+                f"or did not run it (it is a collective: every rank runs it)"
+            ),
+        )
+
+    def exchange(self, sends, recvs, what: str, call: str) -> None:
+        """`start` and `finish` at once."""
+        self.finish(self.start(sends, recvs, what), call)
+
+    def all_gather(self, t: torch.Tensor, what: str, call: str) -> list[torch.Tensor]:
+        """Every rank's t (the same shape everywhere), in rank order."""
+        every = [t if r == self.rank else torch.empty_like(t) for r in range(self.world)]
+        others = [r for r in range(self.world) if r != self.rank]
+        self.exchange({r: [t] for r in others}, {r: [every[r]] for r in others}, what, call)
+        return every
+
+    def agree(self, header: dict, device: torch.device, call: str = "ring attention") -> list[dict]:
         """Every rank's header (a small JSON-able dict), in rank order. A header with
-        an "error" entry makes every rank raise, naming the rank that failed."""
+        an "error" entry makes every rank raise, naming the rank that failed. call:
+        what the ranks are starting, for the error when one never comes."""
+        headers = self.headers(header, device, call)
+        if "error" not in header:
+            raise_failed(headers, self.rank)
+        return headers
+
+    def headers(self, header: dict, device: torch.device, call: str) -> list[dict]:
+        """Every rank's header, in rank order, errors included (`agree` raises on them)."""
         if "error" in header:  # room for the rest of the header
             header = {"error": header["error"][: HEADER_BYTES // 2]}
         text = json.dumps(header).encode()
@@ -95,8 +220,8 @@ class Ring:
         mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         every = self.all_gather(
             mine,
-            "not every rank of the group reached ring attention (a rank failed before it, "
-            "or does not call it)",
+            CONTROL,
+            f"not every rank reached {call} (a rank failed before it, or does not call it)",
         )
         headers = []
         for rank, t in enumerate(every):
@@ -106,16 +231,16 @@ class Ring:
             except ValueError:
                 raise RingError(
                     f"rank {self.rank}: rank {rank} sent an unreadable header ({raw[:80]!r}...); "
-                    f"every rank of the group must call the same sdpa.distributed function"
+                    f"every rank must call the same sdpa.distributed function"
                 ) from None
-        failed = [(r, h["error"]) for r, h in enumerate(headers) if "error" in h]
-        if failed and "error" not in header:
-            rank, message = failed[0]
-            raise RingError(f"rank {self.rank}: rank {rank} failed: {message}")
         return headers
 
     def check_then_agree(
-        self, check: Callable[[], tuple[dict, T]], device: torch.device, catch: tuple
+        self,
+        check: Callable[[], tuple[dict, T]],
+        device: torch.device,
+        catch: tuple,
+        call: str = "ring attention",
     ) -> tuple[list[dict], T]:
         """Run this rank's own checks (`check` returns the header to agree on and a value
         for the caller), then exchange headers as `agree` does. An exception of a type in
@@ -124,43 +249,27 @@ class Ring:
         try:
             header, value = check()
         except catch as e:
-            self.agree({"error": f"{type(e).__name__}: {e}"}, device)
+            self.agree({"error": f"{type(e).__name__}: {e}"}, device, call)
             raise
-        return self.agree(header, device), value
+        return self.agree(header, device, call), value
 
-    def start_rotate(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> list:
-        """Send the tensors `send` to the next rank and receive the previous rank's into
-        `recv`, without waiting: the transfer overlaps whatever runs before `finish`."""
-        if self.world == 1:  # the ring is this rank alone
-            for s, r in zip(send, recv, strict=True):
-                r.copy_(s)
-            return []
-        nxt, prev = self._global[self.next], self._global[self.prev]
-        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, prev, self.group) for t in recv]
-        return dist.batch_isend_irecv(ops)
 
-    def finish(self, works: list, step: int, what: str) -> None:
-        self._wait(
-            works,
-            lambda: (
-                f"{what} ring step {step}: no shard from rank {self.prev} (or none taken by "
-                f"rank {self.next}) within {self.timeout} s; a rank failed, or did not run the "
-                f"{what} (it is a collective: every rank runs it)"
-            ),
+def raise_failed(headers: list[dict], rank: int) -> None:
+    """RingError naming the first rank whose header reports an error, if any."""
+    failed = [(r, h["error"]) for r, h in enumerate(headers) if "error" in h]
+    if failed:
+        who, message = failed[0]
+        raise RingError(f"rank {rank}: rank {who} failed: {message}")
+
+
+def check_agreement(headers: list[dict], rank: int, call: str, hint: str) -> None:
+    """Raise RingError naming every entry the ranks' headers disagree on."""
+    differ = [key for key in headers[0] if any(h.get(key) != headers[0][key] for h in headers)]
+    if differ:
+        seen = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r} {h.get(key)}" for r, h in enumerate(headers))
+            for key in differ
         )
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum of t over the ranks, in place."""
-        work = dist.all_reduce(t, group=self.group, async_op=True)
-        self._wait([work], lambda: f"the sum over ranks did not finish within {self.timeout} s")
-        return t
-
-    def all_gather(
-        self, t: torch.Tensor, reason: str = "the gather over ranks did not finish"
-    ) -> list[torch.Tensor]:
-        """Every rank's t (same shape everywhere), in rank order."""
-        every = [torch.empty_like(t) for _ in range(self.world)]
-        work = dist.all_gather(every, t.contiguous(), group=self.group, async_op=True)
-        self._wait([work], lambda: f"{reason}, within {self.timeout} s")
-        return every
+        raise RingError(
+            f"rank {rank}: the ranks called {call} with different arguments ({seen}). {hint}"
+        )

@@ -1,22 +1,27 @@
 """How a sequence is cut into one shard per rank, and back.
 
-"contiguous": rank r holds positions [r*n, (r+1)*n). With causal attention the last
-rank does R times the work of the first.
-"zigzag": the sequence is cut into 2R chunks of n/2 and rank r holds chunks r and
-2R-1-r, so every rank gets an early and a late chunk and the same causal work
-(the load balancing of ring-flash-attention and torch's context_parallel).
+"contiguous": rank r holds the r-th stretch of the sequence. Shards may differ in size
+(`sizes`, zero included): packed documents split where the documents end. With causal
+attention the last rank does the most work.
+"zigzag": the sequence is cut into 2R equal chunks and rank r holds chunks r and
+2R-1-r, so every rank gets an early and a late chunk and the same causal work (the
+head-tail load balancing of ring-flash-attention and torch's context_parallel).
+`per_document(lengths)`: the zigzag inside each packed document (torch's per-document
+head-tail balancer): rank r holds chunks r and 2R-1-r of every document.
 
     R = 2, 8 positions   contiguous: rank 0 [0 1 2 3]  rank 1 [4 5 6 7]
                          zigzag:     rank 0 [0 1 6 7]  rank 1 [2 3 4 5]
+    documents of 4 and 4 per_document: rank 0 [0 3 4 7]  rank 1 [1 2 5 6]
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from sdpa.errors import SdpaValueError
+from sdpa.errors import SdpaTypeError, SdpaValueError
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -33,63 +38,184 @@ class Run(NamedTuple):
         return slice(self.local, self.local + self.length)
 
 
-def check_layout(layout: object) -> str:
-    if layout not in LAYOUTS:
-        raise SdpaValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
-    return layout  # type: ignore[return-value]
+class PerDocument:
+    """The layout of packed documents of `lengths` (each a multiple of 2R), every one
+    cut head-tail across the R ranks (see the module's docstring)."""
+
+    def __init__(self, lengths: Sequence[int]):
+        lengths = [int(n) for n in lengths]
+        if not lengths or any(n <= 0 for n in lengths):
+            raise SdpaValueError(
+                f"per_document takes the positive lengths of the packed documents, got {lengths}"
+            )
+        self.lengths = lengths
+
+    def runs(self, rank: int, world: int) -> list[Run]:
+        out, local, start = [], 0, 0
+        for n in self.lengths:
+            c = n // (2 * world)
+            for chunk in (rank, 2 * world - 1 - rank):
+                out.append(Run(local, start + chunk * c, c))
+                local += c
+            start += n
+        return out
+
+    def check(self, world: int) -> None:
+        bad = [n for n in self.lengths if n % (2 * world)]
+        if bad:
+            raise SdpaValueError(
+                f"per_document: documents of length {bad} do not cut into {2 * world} equal "
+                f"chunks ({world} ranks); pad each document to a multiple of {2 * world}"
+            )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PerDocument) and other.lengths == self.lengths
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.lengths))
+
+    def __repr__(self) -> str:
+        return f"per_document({self.lengths})"
 
 
-def _check_shardable(n_total: int, world: int, layout: str, what: str) -> None:
+def per_document(lengths: Sequence[int] | torch.Tensor) -> PerDocument:
+    """The layout for packed documents of these lengths: the zigzag inside each one."""
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
+    return PerDocument(lengths)
+
+
+Layout = str | PerDocument
+
+
+def check_layout(layout: object) -> Layout:
+    if isinstance(layout, PerDocument) or layout in LAYOUTS:
+        return layout  # type: ignore[return-value]
+    raise SdpaValueError(
+        f"layout must be 'contiguous', 'zigzag' or sdpa.distributed.per_document(lengths), "
+        f"got {layout!r}"
+    )
+
+
+def describe(layout: Layout) -> str:
+    """The layout as the ranks compare it."""
+    return layout if isinstance(layout, str) else repr(layout)
+
+
+def _check_sizes(sizes: Sequence[int], what: str) -> list[int]:
+    if isinstance(sizes, torch.Tensor) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
+    ):
+        raise SdpaTypeError(f"{what} must be a list of non-negative ints, got {sizes!r}")
+    return list(sizes)
+
+
+def cut(layout: Layout, sizes: Sequence[int], what: str = "shards") -> list[list[Run]]:
+    """Every rank's runs, for shards of `sizes` (one per rank, in rank order) cut by
+    `layout`; refuses sizes the layout cannot have."""
+    sizes = _check_sizes(sizes, what)
+    world = len(sizes)
+    if layout == "contiguous":
+        starts = [sum(sizes[:r]) for r in range(world)]
+        return [[Run(0, starts[r], sizes[r])] if sizes[r] else [] for r in range(world)]
+    if isinstance(layout, PerDocument):
+        layout.check(world)
+        runs = [layout.runs(r, world) for r in range(world)]
+        want = [sum(run.length for run in rs) for rs in runs]
+        if sizes != want:
+            raise SdpaValueError(
+                f"{what} of {sizes} positions, but {layout!r} over {world} ranks gives {want}"
+            )
+        return runs
+    if len(set(sizes)) > 1 or sizes[0] % 2:
+        raise SdpaValueError(
+            f"layout='zigzag' needs equal, even shards (two chunks per rank), got {what} of "
+            f"{sizes}; pad the sequence to a multiple of {2 * world}, or use "
+            f"layout='contiguous' for shards of any size"
+        )
+    h = sizes[0] // 2
+    if not h:
+        return [[] for _ in range(world)]
+    return [[Run(0, r * h, h), Run(h, (2 * world - 1 - r) * h, h)] for r in range(world)]
+
+
+def index(runs: list[Run]) -> torch.Tensor:
+    """The global positions of a shard's entries, (n,) int64."""
+    if not runs:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])
+
+
+def _sizes_of(n_total: int, world: int, layout: Layout, sizes, what: str) -> list[int]:
+    """The shard sizes of a whole sequence of n_total positions."""
+    if sizes is not None:
+        sizes = _check_sizes(sizes, "sizes")
+        if len(sizes) != world or sum(sizes) != n_total:
+            raise SdpaValueError(
+                f"sizes must give one shard size per rank ({world}) summing to {what}'s "
+                f"length {n_total}, got {sizes}"
+            )
+        return sizes
+    if isinstance(layout, PerDocument):
+        return [sum(r.length for r in layout.runs(rank, world)) for rank in range(world)]
     parts = world * (2 if layout == "zigzag" else 1)
     if n_total % parts:
         raise SdpaValueError(
             f"{what} of length {n_total} does not cut into {parts} equal chunks ({world} "
             f"ranks, layout={layout!r}); pad the sequence to a multiple of {parts} (and mask "
-            f"the padding)"
+            f"the padding), or pass sizes=[...] with layout='contiguous'"
         )
+    return [n_total // world] * world
 
 
-def runs(n: int, rank: int, world: int, layout: str) -> list[Run]:
-    """The stretches of consecutive positions in rank `rank`'s shard of n positions."""
-    if layout == "contiguous":
-        return [Run(0, rank * n, n)]
-    h = n // 2
-    return [Run(0, rank * h, h), Run(h, (2 * world - 1 - rank) * h, h)]
-
-
-def positions(n: int, rank: int, world: int, layout: str = "contiguous") -> torch.Tensor:
-    """Global positions of the n entries of rank `rank`'s shard, (n,) int64: what a
-    positional encoding or a per-position mask needs on each rank."""
-    check_layout(layout)
-    _check_shardable(n * world, world, layout, "a shard")
-    return torch.cat(
-        [torch.arange(r.start, r.start + r.length) for r in runs(n, rank, world, layout)]
-    )
-
-
-def shard(x: torch.Tensor, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2):
-    """Rank `rank`'s shard of the whole sequence x along `dim` (a view for contiguous,
-    a copy for zigzag)."""
-    check_layout(layout)
-    n_total = x.shape[dim]
-    _check_shardable(n_total, world, layout, f"x (dim {dim})")
+def _check_rank(rank: int, world: int) -> None:
     if not 0 <= rank < world:
         raise SdpaValueError(f"rank must be in [0, world={world}), got {rank}")
-    n = n_total // world
-    pieces = [x.narrow(dim, r.start, r.length) for r in runs(n, rank, world, layout)]
+
+
+def positions(
+    n: int, rank: int, world: int, layout: Layout = "contiguous", *, sizes=None
+) -> torch.Tensor:
+    """Global positions of the n entries of rank `rank`'s shard, (n,) int64: what a
+    positional encoding or a per-position mask needs on each rank. sizes: every rank's
+    shard size (contiguous shards of unequal sizes); n must be sizes[rank]."""
+    layout = check_layout(layout)
+    _check_rank(rank, world)
+    if sizes is None:
+        sizes = _sizes_of(n * world, world, layout, None, "a shard")
+    runs = cut(layout, sizes, "sizes")[rank]
+    if sum(r.length for r in runs) != n:
+        raise SdpaValueError(
+            f"rank {rank}'s shard has {sum(r.length for r in runs)} entries, not {n}"
+        )
+    return index(runs)
+
+
+def shard(
+    x: torch.Tensor,
+    rank: int,
+    world: int,
+    *,
+    layout: Layout = "contiguous",
+    dim: int = -2,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Rank `rank`'s shard of the whole sequence x along `dim` (a view for contiguous,
+    a copy otherwise). sizes: every rank's shard size, for unequal contiguous shards."""
+    layout = check_layout(layout)
+    _check_rank(rank, world)
+    every = _sizes_of(x.shape[dim], world, layout, sizes, f"x (dim {dim})")
+    pieces = [x.narrow(dim, r.start, r.length) for r in cut(layout, every)[rank]]
+    if not pieces:
+        return x.narrow(dim, 0, 0)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def unshard(pieces: list[torch.Tensor], *, layout: str = "contiguous", dim: int = -2):
+def unshard(pieces: list[torch.Tensor], *, layout: Layout = "contiguous", dim: int = -2):
     """The whole sequence from every rank's shard, given in rank order."""
-    check_layout(layout)
-    world = len(pieces)
+    layout = check_layout(layout)
     if layout == "contiguous":
         return torch.cat(pieces, dim=dim)
-    n = pieces[0].shape[dim]
-    h = n // 2
-    chunks: list[torch.Tensor | None] = [None] * (2 * world)
-    for rank, p in enumerate(pieces):
-        chunks[rank] = p.narrow(dim, 0, h)
-        chunks[2 * world - 1 - rank] = p.narrow(dim, h, h)
-    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+    runs = cut(layout, [p.shape[dim] for p in pieces])
+    order = sorted((r.start, rank, r) for rank, rs in enumerate(runs) for r in rs)
+    return torch.cat([pieces[rank].narrow(dim, r.local, r.length) for _, rank, r in order], dim=dim)

@@ -68,6 +68,20 @@ def calls(
             yield from _masked(qr, kr, rule, L, S, device)
 
 
+def needs(
+    q_runs: list[Run],
+    k_runs: list[Run],
+    mask: masks.Mask | None,
+    causal: bool,
+    L: int,
+    S: int,
+    device: torch.device,
+) -> bool:
+    """Whether some query of q_runs sees some key of k_runs: from the positions alone
+    without a mask (O(runs)), else by evaluating the mask until a kept entry shows."""
+    return next(iter(calls(q_runs, k_runs, mask, causal, L, S, device)), None) is not None
+
+
 def _masked(qr: Run, kr: Run, rule: masks.Mask, L: int, S: int, device) -> Iterator[Call]:
     k_pos = torch.arange(kr.start, kr.start + kr.length, device=device)
     # the settings' mask_chunk_bytes: 1 byte of keep + 4 of bias per entry

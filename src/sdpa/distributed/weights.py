@@ -1,30 +1,43 @@
-"""RingWeights: a rank's lazy view of the attention weights of a ring attention call.
+"""RingWeights: a rank's lazy view of the attention weights of a sharded attention call
+(ring, Ulysses or the hybrid: every scheme's weights are its rows over all S keys).
 
-The rank answers for its own queries (rows over all S keys, entropy, top-k) and for its
-own keys (attention received, summed over every rank's queries). Each answer gathers
-the key shards (O(S * E) per rank, never L x S) and is a collective: every rank of the
-group asks the same question at the same time.
+The rank answers for its own queries (rows, columns, entropy, top-k, row max, max
+logits, KL against another call's weights) and for its own keys (attention received,
+summed over every rank's queries). Each answer gathers the key shards (O(S * E) per
+rank, never L x S) and is a collective: every rank of the group asks the same question
+at the same time; a rank that never asks makes the others raise RingTimeoutError naming
+the read.
 
 The reads are differentiable, as AttentionWeights' are: with grad enabled, where this
 rank's query or key shard requires grad, a read carries its gradient to the query shard
 and, through the gathered keys, to every rank's key shard. Its backward is then a
-collective too (each rank's gradient of the whole key sequence is summed over the
-ranks and each keeps its own shard's part, O(S * E)): every rank runs the backward of
-the same reads, as with the output's backward ring. The ranks agree up front whether a
-read carries gradients, so one that differs makes every rank raise at once.
+collective too (each rank's gradient of the whole key sequence goes back to the shards'
+owners, O(S * E)): every rank runs the backward of the same reads, as with the output's
+backward. The ranks agree up front whether a read carries gradients, so one that differs
+makes every rank raise at once.
+
+Why not a torch.Tensor like AttentionWeights: a tensor's every operation (printing, an
+index, numpy()) must be answerable by the one process that makes it, while every answer
+here needs the other ranks' keys; a collective hidden behind `print(w)` would hang the
+job the first time one rank logs it. So the ring's weights keep their own class, whose
+reads are explicit calls every rank makes; `repr`, shape, dtype and device never
+communicate.
 """
 
 from __future__ import annotations
 
+import datetime
+
 import torch
+import torch.distributed as dist
 
 from sdpa import masks
 from sdpa.budget import DEFAULT_MAX_BYTES
-from sdpa.distributed.comm import Ring, RingError
-from sdpa.distributed.layout import positions, shard, unshard
-from sdpa.errors import SdpaValueError
+from sdpa.distributed.comm import AFTER_TIMEOUT, Ring, RingError, RingTimeoutError, _count
+from sdpa.distributed.layout import Run, index
+from sdpa.errors import SdpaTypeError, SdpaValueError
 from sdpa.inputs import normalize
-from sdpa.weights import AttentionWeights, StaleWeightsError, version_of
+from sdpa.weights import AttentionWeights, MaxLogits, StaleWeightsError, version_of
 
 
 class _Rows(masks.Mask):
@@ -54,59 +67,115 @@ class _Rows(masks.Mask):
         return f"{self.rule!r} at {len(self.pos)} positions"
 
 
+def gather(ring: Ring, x: torch.Tensor, runs: list[list[Run]], dim: int) -> torch.Tensor:
+    """Every rank's x (its shard along `dim`, cut as `runs`) as the whole sequence in
+    position order."""
+    dim = dim % x.ndim
+    x = x.contiguous()
+    pieces = {
+        r: x.new_empty(*x.shape[:dim], sum(run.length for run in rs), *x.shape[dim + 1 :])
+        for r, rs in enumerate(runs)
+        if r != ring.rank
+    }
+    others = list(pieces)
+    ring.exchange(
+        {r: [x] for r in others},
+        {r: [pieces[r]] for r in others},
+        "reads",
+        "a read of the ring weights: the key shards",
+    )
+    pieces[ring.rank] = x
+    S = sum(run.length for rs in runs for run in rs)
+    whole = x.new_empty(*x.shape[:dim], S, *x.shape[dim + 1 :])
+    for r, rs in enumerate(runs):
+        whole.index_copy_(dim, index(rs).to(x.device), pieces[r])
+    return whole
+
+
+def scatter_sum(ring: Ring, whole: torch.Tensor, runs: list[list[Run]], dim: int) -> torch.Tensor:
+    """The sum over the ranks of `whole` (a tensor over the whole sequence along dim),
+    this rank's positions: each rank sends every other its positions' part."""
+    dim = dim % whole.ndim
+    parts = {r: whole.index_select(dim, index(rs).to(whole.device)) for r, rs in enumerate(runs)}
+    mine = parts.pop(ring.rank)
+    coming = {r: torch.empty_like(mine) for r in parts}
+    ring.exchange(
+        {r: [t] for r, t in parts.items()},
+        {r: [t] for r, t in coming.items()},
+        "reads",
+        "a read of the ring weights: the sums over ranks",
+    )
+    for t in coming.values():
+        mine = mine + t
+    return mine
+
+
 class _Gathered(torch.autograd.Function):
     """Every rank's key shard, as the whole sequence (..., S, E) in position order.
-    Backward: each rank's gradient of the whole is summed over the ranks (all_reduce),
-    and this rank keeps its own shard's part: a collective, like the forward."""
+    Backward: each rank's gradient of the whole goes to the owners, who sum it: a
+    collective, like the forward."""
 
     @staticmethod
-    def forward(ctx, key, ring, layout):
-        ctx.ring, ctx.layout = ring, layout
-        return unshard(ring.all_gather(key), layout=layout)
+    def forward(ctx, key, ring, runs):
+        ctx.ring, ctx.runs = ring, runs
+        return gather(ring, key, runs, -2)
 
     @staticmethod
     def backward(ctx, g):
-        ring = ctx.ring
-        total = ring.all_reduce(g.contiguous().clone())  # (..., S, E): every rank's share
-        return shard(total, ring.rank, ring.world, layout=ctx.layout).contiguous(), None, None
+        return scatter_sum(ctx.ring, g, ctx.runs, -2), None, None
 
 
 class _Received(torch.autograd.Function):
-    """Attention received per key from every rank's queries, this rank's keys:
-    local (..., S) summed over the ranks, then own positions (..., m). Backward: the
-    gradient of every rank's own keys, placed at their positions and summed over the
-    ranks (each rank's queries reach every rank's keys)."""
+    """Attention received per key from every rank's queries, this rank's keys: local
+    (..., S) summed over the ranks at this rank's positions (..., m). Backward: every
+    rank's gradient of its own keys, gathered into (..., S) (each rank's queries reach
+    every rank's keys)."""
 
     @staticmethod
-    def forward(ctx, local, ring, own):
-        ctx.ring, ctx.own, ctx.S = ring, own, local.shape[-1]
-        return ring.all_reduce(local.contiguous().clone()).index_select(-1, own)
+    def forward(ctx, local, ring, runs):
+        ctx.ring, ctx.runs = ring, runs
+        return scatter_sum(ring, local, runs, -1)
 
     @staticmethod
     def backward(ctx, g):
-        placed = g.new_zeros(*g.shape[:-1], ctx.S).index_copy_(-1, ctx.own, g)  # (..., S)
-        return ctx.ring.all_reduce(placed), None, None
+        return gather(ctx.ring, g, ctx.runs, -1), None, None
 
 
 class RingWeights:
     """This rank's weights (..., n, S): its n queries against all S keys, lazily.
 
-    Same questions as AttentionWeights, each a collective over the group: rows
-    (w[b, h, i] with i a local query index), full(), entropy(), topk(k), amax() for this
-    rank's
-    queries; sum(dim=-2) and mean(dim=-2) for this rank's keys, (..., m), counting the
-    queries of every rank. Differentiable where the shards require grad (the backward
-    of a read is then a collective: every rank runs it).
+    Same questions as AttentionWeights, each a collective over the group: rows and
+    columns (w[b, h, i] with i a local query index, w[..., j] with j a global key),
+    full(), entropy(), topk(k), amax(), max_logits(), kl(other) for this rank's queries;
+    sum(dim=-2) and mean(dim=-2) for this rank's keys, (..., m), counting the queries of
+    every rank. Differentiable where the shards require grad (the backward of a read is
+    then a collective: every rank runs it).
     """
 
-    def __init__(self, ring: Ring, query, key, lse, lead, rule: masks.Mask | None, scale, layout):
+    def __init__(
+        self,
+        ring: Ring,
+        query,
+        key,
+        lse,
+        lead,
+        rule: masks.Mask | None,
+        scale,
+        q_runs: list[list[Run]],
+        k_runs: list[list[Run]],
+    ):
+        """query, key: this rank's shards as given; lse (B, Hq, n); q_runs, k_runs:
+        every rank's runs of query and key positions."""
         self._ring, self._query, self._key = ring, query, key
         self._lse = lse.detach()  # (B, Hq, n)
-        self._rule, self._scale, self._layout = rule, scale, layout
+        self._rule, self._scale = rule, scale
+        self._q_runs, self._k_runs = q_runs, k_runs
         self._versions = (version_of(query), version_of(key))
-        n, m = query.shape[-2], key.shape[-2]
-        self._n, self._m = n, m
-        self._shape = torch.Size((*lead, n, m * ring.world))  # (..., n, S)
+        n = query.shape[-2]
+        self._n = n
+        self._L = sum(r.length for rs in q_runs for r in rs)
+        S = sum(r.length for rs in k_runs for r in rs)
+        self._shape = torch.Size((*lead, n, S))  # (..., n, S)
 
     @property
     def shape(self) -> torch.Size:
@@ -136,7 +205,7 @@ class RingWeights:
     def _check_fresh(self) -> None:
         if (version_of(self._query), version_of(self._key)) != self._versions:
             raise StaleWeightsError(
-                "the query or key shard changed in place after ring_attention, so these "
+                "the query or key shard changed in place after the attention call, so these "
                 "weights would describe other inputs; read them before the update"
             )
 
@@ -162,7 +231,7 @@ class RingWeights:
             return {"question": question, "grad": self._wants_grad()}, None
 
         headers, _ = self._ring.check_then_agree(
-            check, self.device, (StaleWeightsError, ValueError)
+            check, self.device, (StaleWeightsError, ValueError), f"the ring weights' {question}"
         )
         asked = [h["question"] for h in headers]
         if len(set(asked)) > 1:
@@ -185,14 +254,14 @@ class RingWeights:
         self._ask(question, dim)
         ring = self._ring
         if self._wants_grad():  # (..., S, E), differentiable into every rank's key shard
-            query, keys = self._query, _Gathered.apply(self._key, ring, self._layout)
+            query, keys = self._query, _Gathered.apply(self._key, ring, self._k_runs)
         else:
             query = self._query.detach()
-            keys = unshard(ring.all_gather(self._key.detach()), layout=self._layout)
+            keys = gather(ring, self._key.detach(), self._k_runs, -2)
         mask = None
         if self._rule is not None:
-            pos = positions(self._n, ring.rank, ring.world, self._layout)
-            mask = _Rows(self._rule, pos.to(self.device), self._n * ring.world)
+            pos = index(self._q_runs[ring.rank]).to(self.device)
+            mask = _Rows(self._rule, pos, self._L)
         inputs = normalize(query, keys, keys.detach(), mask, scale=self._scale)
         return AttentionWeights(inputs, self._lse)
 
@@ -211,14 +280,58 @@ class RingWeights:
     def amax(self, dim: int = -1) -> torch.Tensor:
         return self._local("amax").amax(dim)
 
+    def kl(self, other: RingWeights, reverse: bool = False) -> torch.Tensor:
+        """KL(other || self) per local query row, (..., n) (reverse: KL(self || other)):
+        the distillation loss with self the student and other the teacher, both sharded
+        the same way (each its own q, k, mask). Gradients reach both sides' shards as
+        they require grad. A collective."""
+        if not isinstance(other, RingWeights):
+            raise SdpaTypeError(
+                f"RingWeights.kl takes the RingWeights of another sharded call, got "
+                f"{type(other).__name__}"
+            )
+        if (
+            other.shape != self.shape
+            or other._q_runs != self._q_runs
+            or other._k_runs != self._k_runs
+        ):
+            raise SdpaValueError(
+                f"RingWeights.kl compares weights of the same rows and keys, sharded alike: "
+                f"got shapes {tuple(self.shape)} and {tuple(other.shape)}"
+            )
+        teacher = other._local("kl")
+        return self._local("kl").kl(teacher, reverse=reverse)
+
+    def max_logits(self, group=None) -> MaxLogits:
+        """The largest raw score (after the scale) of each local query row, row (..., n),
+        and per head the largest over every rank's rows, head (...): what QK-clip reads.
+        group: a further process group to take the maximum over (data-parallel ranks),
+        so that every rank of both clips by the same value. Forward only, as
+        AttentionWeights.max_logits. A collective over the ring (and `group`)."""
+        with torch.no_grad():
+            row = self._local("max_logits").max_logits().row  # (..., n)
+        ring = self._ring
+        empty = row.shape[-1] == 0
+        head = row.new_full(row.shape[:-1], -torch.inf) if empty else row.amax(dim=-1)
+        head = torch.stack(ring.all_gather(head.contiguous(), "reads", "max_logits")).amax(0)
+        if group is not None:
+            work = dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            _count("reads", [head])
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=ring.timeout))
+            except RuntimeError as e:
+                raise RingTimeoutError(
+                    f"rank {ring.rank}: max_logits over `group` did not finish within "
+                    f"{ring.timeout} s ({e}); {AFTER_TIMEOUT}"
+                ) from None
+        return MaxLogits(row, head)
+
     def sum(self, dim: int = -2) -> torch.Tensor:
         """Attention each of this rank's keys receives from all L queries: (..., m)."""
         local = self._local("sum", dim).sum(-2)  # (..., S): this rank's queries
-        ring = self._ring
-        own = positions(self._m, ring.rank, ring.world, self._layout).to(local.device)
         if local.requires_grad:
-            return _Received.apply(local, ring, own)
-        return ring.all_reduce(local.contiguous()).index_select(-1, own)
+            return _Received.apply(local, self._ring, self._k_runs)
+        return scatter_sum(self._ring, local, self._k_runs, -1)
 
     def mean(self, dim: int = -2) -> torch.Tensor:
-        return self.sum(dim) / (self._n * self._ring.world)
+        return self.sum(dim) / self._L
