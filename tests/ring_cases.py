@@ -5,6 +5,7 @@ float64 oracle (tests/oracle.py) on the gathered sequence."""
 from __future__ import annotations
 
 import datetime
+import math
 import time
 import traceback
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import sdpa
 from sdpa import distributed as sd
 from sdpa import masks
+from sdpa.distributed.layout import PerDocument
 
 from oracle import oracle
 
@@ -24,6 +26,8 @@ def worker(rank: int, world: int, port: int, tasks, results) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
+    if world in (4, 8):  # the hybrid's groups, made once (every rank makes every group)
+        GROUPS.update(_grid(rank, world))
     while True:
         task = tasks.get()
         if task is None:
@@ -34,6 +38,51 @@ def worker(rank: int, world: int, port: int, tasks, results) -> None:
         except Exception as e:  # reported to the test, which fails with it
             results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
     dist.destroy_process_group()
+
+
+GROUPS: dict = {}
+U = 2  # the hybrid's Ulysses group size
+
+
+def _grid(rank: int, world: int) -> dict:
+    """The hybrid's groups over `world` ranks, U * R: Ulysses groups [j, j + R, ...] and
+    ring groups [u * R, ..., u * R + R - 1], so that a rank's place in the sequence
+    (j * U + u) is not its global rank."""
+    R = world // U
+    groups = {"ulysses": None, "ring": None}
+    for j in range(R):
+        g = dist.new_group([j + u * R for u in range(U)])
+        if rank % R == j:
+            groups["ulysses"] = g
+    for u in range(U):
+        g = dist.new_group([u * R + j for j in range(R)])
+        if rank // R == u:
+            groups["ring"] = g
+    return {**groups, "place": (rank % R) * U + rank // R}
+
+
+def run_scheme(scheme, q, k, v, mask, **kwargs):
+    """One of sdpa.distributed's three schemes on this rank's shards."""
+    if scheme == "ring":
+        return sd.ring_attention(q, k, v, mask, **kwargs)
+    if scheme == "ulysses":
+        return sd.ulysses_attention(q, k, v, mask, **kwargs)
+    return sd.hybrid_attention(
+        q, k, v, mask, ulysses_group=GROUPS["ulysses"], ring_group=GROUPS["ring"], **kwargs
+    )
+
+
+def place(rank: int, scheme: str) -> int:
+    """This rank's shard's index in the sequence."""
+    return GROUPS["place"] if scheme == "hybrid" else rank
+
+
+UNEQUAL = [7, 0, 12, 5, 9, 1, 4, 6]  # shard sizes (the first `world`): one empty
+
+
+def shard_sizes(kind, world: int, n: int):
+    """Every rank's shard size: None (equal, n each), or "unequal"."""
+    return None if kind is None else UNEQUAL[:world]
 
 
 def _inputs(seed, B, Hq, Hkv, L, S, E, Ev, dtype):
@@ -59,7 +108,15 @@ def _mask(kind, B, L, seed):
     if kind == "dead":  # documents whose query ids never occur among the keys
         q_ids = torch.arange(L) % 3
         return masks.documents(q_ids, torch.where(q_ids == 2, 0, q_ids))
+    if kind == "packed":
+        return masks.documents(_packed(L))
     raise ValueError(kind)
+
+
+def _packed(L):
+    """Document ids of the per_document layout's documents: 4/12, 2/12, 6/12 of L."""
+    w = L // 12
+    return torch.repeat_interleave(torch.arange(3), torch.tensor([4 * w, 2 * w, 6 * w]))
 
 
 def _keep(kind, B, L, seed):
@@ -80,6 +137,9 @@ def _keep(kind, B, L, seed):
     if kind == "dead":
         q_ids = torch.arange(L) % 3
         return (q_ids[:, None] == torch.where(q_ids == 2, 0, q_ids)[None, :])[None, None]
+    if kind == "packed":
+        ids = _packed(L)
+        return (ids[:, None] == ids[None, :])[None, None]
     raise ValueError(kind)
 
 
@@ -107,21 +167,49 @@ def _lse64(q, k, keep, causal, scale):
     return lse.masked_fill(lse == -torch.inf, 0.0)
 
 
+def _scores64(q, k, keep, causal):
+    """The raw scores (default scale) in float64, -inf where masked: (B, Hq, L, S)."""
+    q, k = q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q @ k.mT * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -torch.inf)
+    return s if keep is None else s.masked_fill(~keep, -torch.inf)
+
+
 def _max_err(a, b):
-    return (a.double() - b.double()).abs().max().item()
+    """The largest |a - b|, equal infinities counting as 0 (rows that see no key)."""
+    a, b = a.double(), b.double()
+    if a.numel() == 0 and b.numel() == 0:
+        return 0.0
+    same = a == b
+    return torch.where(same, 0.0, (a - b).abs()).max().item()
+
+
+def _layout(layout, world):
+    """A layout by name; "per_document": documents of 4 * world, 2 * world and 6 * world
+    positions (12 * world in all), cut head-tail each."""
+    if layout == "per_document":
+        return sd.per_document([4 * world, 2 * world, 6 * world])
+    return layout
 
 
 def compare(
     rank, world, *, seed, layout="contiguous", causal=False, mask=None, B=2, Hq=4, Hkv=None,
     n=8, m=None, E=8, Ev=None, scale=None, dtype="float32", grad=False, three_d=False,
+    scheme="ring", sizes=None,
 ):  # fmt: skip
     """This rank's output, LSE (and gradients) against sdpa.attention on the whole
     sequence and against the float64 oracle: the largest errors, for the test to judge.
     "*64" errors are against the oracle; "ref_*64" those of single-process sdpa.attention
-    in the same dtype, for the 16-bit bounds."""
+    in the same dtype, for the 16-bit bounds. scheme: ring, ulysses or hybrid; sizes:
+    "unequal" for shards of UNEQUAL sizes (queries and keys alike; contiguous layout)."""
     dtype = getattr(torch, dtype)
+    layout = _layout(layout, world)
+    if isinstance(layout, PerDocument):
+        n = 12
     Hkv, m, Ev = Hkv or Hq, m or n, Ev or E
-    L, S = n * world, m * world
+    cuts = shard_sizes(sizes, world, n)
+    L, S = (n * world, m * world) if cuts is None else (sum(cuts), sum(cuts))
     q, k, v, g = _inputs(seed, B, Hq, Hkv, L, S, E, Ev, dtype)
     if three_d:
         q, k, v, g = q[:, 0], k[:, 0], v[:, 0], g[:, 0]
@@ -129,17 +217,14 @@ def compare(
     whole = [t.clone().requires_grad_(grad) for t in (q, k, v)]
     ref = sdpa.attention(*whole, mk, causal=causal, scale=scale)
 
-    def cut(t):
-        return sd.shard(t, rank, world, layout=layout).detach().clone().requires_grad_(grad)
+    def mine(t):  # this rank's part of a whole-sequence tensor
+        return sd.shard(t, place(rank, scheme), world, layout=layout, sizes=cuts)
 
-    parts = [cut(t) for t in (q, k, v)]
-    ours = sd.ring_attention(*parts, mk, causal=causal, scale=scale, layout=layout, timeout=60)
+    parts = [mine(t).detach().clone().requires_grad_(grad) for t in (q, k, v)]
+    ours = run_scheme(scheme, *parts, mk, causal=causal, scale=scale, layout=layout, timeout=60)
     keep = _keep(mask, B, L, seed)
     exact = [t.double().requires_grad_(grad) for t in (q, k, v)]
     exact_out = _oracle(*exact, keep, causal, scale)[0]
-
-    def mine(t):  # this rank's part of a whole-sequence tensor
-        return sd.shard(t, rank, world, layout=layout)
 
     exact_lse = _lse64(*exact[:2], keep, causal, scale)
     errors = {
@@ -163,35 +248,59 @@ def compare(
     return errors
 
 
-def weights(rank, world, *, seed, layout="contiguous", causal=False, mask=None, Hkv=2):
-    """Rows, entropy, top-k, row max and received sums of this rank against the float64
-    oracle's weights of the gathered sequence."""
-    B, Hq, n, E = 2, 4, 8, 8
-    L = n * world
+def weights(
+    rank, world, *, seed, layout="contiguous", causal=False, mask=None, Hkv=2, scheme="ring",
+    sizes=None,
+):  # fmt: skip
+    """Rows, columns, entropy, top-k, row max, max logits, KL against a second call's
+    weights, and received sums of this rank against the float64 oracle's weights of the
+    gathered sequence."""
+    B, Hq, E = 2, 4, 8
+    layout = _layout(layout, world)
+    n = 12 if isinstance(layout, PerDocument) else 8
+    cuts = shard_sizes(sizes, world, n)
+    L = n * world if cuts is None else sum(cuts)
     q, k, v, _ = _inputs(seed, B, Hq, Hkv, L, L, E, E, torch.float32)
+    q2 = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 7))
     mk = _mask(mask, B, L, seed)
-    ours = sd.ring_attention(
-        *(sd.shard(t, rank, world, layout=layout) for t in (q, k, v)), mk,
-        causal=causal, layout=layout, timeout=60,
-    ).weights  # fmt: skip
-    pos = sd.positions(n, rank, world, layout)
-    p = _oracle(q, k, v, _keep(mask, B, L, seed), causal, None)[1]  # (B, Hq, L, S) float64
-    mine = p[:, :, pos]  # this rank's query rows
-    plogp = torch.where(mine > 0, mine * mine.log(), torch.zeros_like(mine))
-    i = int(torch.randint(n, (1,), generator=torch.Generator().manual_seed(seed + rank)))
+    where = place(rank, scheme)
+
+    def mine(t):
+        return sd.shard(t, where, world, layout=layout, sizes=cuts)
+
+    ours, teacher = (
+        run_scheme(scheme, mine(x), mine(k), mine(v), mk, causal=causal, layout=layout,
+                   timeout=60).weights
+        for x in (q, q2)
+    )  # fmt: skip
+    n = len(pos := sd.positions(mine(q).shape[-2], where, world, layout, sizes=cuts))
+    keep = _keep(mask, B, L, seed)
+    p = _oracle(q, k, v, keep, causal, None)[1]  # (B, Hq, L, S) float64
+    mine_p, p_t = p[:, :, pos], _oracle(q2, k, v, keep, causal, None)[1][:, :, pos]
+    plogp = torch.where(mine_p > 0, mine_p * mine_p.log(), torch.zeros_like(mine_p))
+    kl = torch.where(p_t > 0, p_t * (p_t.log() - mine_p.log()), torch.zeros_like(p_t)).sum(-1)
+    i = int(torch.randint(max(n, 1), (1,), generator=torch.Generator().manual_seed(seed + rank)))
+    j = int(torch.randint(L, (1,), generator=torch.Generator().manual_seed(seed)))
     values, indices = ours.topk(3)
-    return {
+    logits = _scores64(q, k, keep, causal)
+    top = ours.max_logits()
+    errors = {
         "shape": int(ours.shape != torch.Size((B, Hq, n, L))),
-        "row": _max_err(ours[1, :, i], mine[1, :, i]),
-        "rows": _max_err(ours.full(), mine),
+        "rows": _max_err(ours.full(), mine_p),
+        "column": _max_err(ours[..., j], mine_p[..., j]),
         "entropy": _max_err(ours.entropy(), -plogp.sum(-1)),
-        "topk": _max_err(values, mine.topk(3, dim=-1).values),
-        "topk_index": _max_err(mine.gather(-1, indices), values),
-        "amax": _max_err(ours.amax(), mine.amax(-1)),
+        "topk": _max_err(values, mine_p.topk(3, dim=-1).values),
+        "topk_index": _max_err(mine_p.gather(-1, indices), values),
+        "amax": _max_err(ours.amax(), mine_p.amax(-1)),
+        "kl": _max_err(ours.kl(teacher), kl),
+        "max_logits_row": _max_err(top.row, logits.amax(-1)[:, :, pos]),
+        "max_logits_head": _max_err(top.head, logits.amax(-1).amax(-1)),  # every rank's rows
         # this rank's keys, the attention they receive from all L queries
         "sum": _max_err(ours.sum(dim=-2), p.sum(-2)[:, :, pos]),
         "mean": _max_err(ours.mean(dim=-2), p.mean(-2)[:, :, pos]),
     }
+    errors["row"] = _max_err(ours[1, :, i : i + 1], mine_p[1, :, i : i + 1])  # (none if n = 0)
+    return errors
 
 
 def disagree(rank, world, *, what):
@@ -207,8 +316,14 @@ def disagree(rank, world, *, what):
     timeout = -1 if what == "timeout" and rank == world - 1 else 30
     if what == "batch5d":  # two batch dims, and a mask with one of 6
         q, mask = torch.randn(2, 3, 2, 8, 4), masks.padding([8] * 6)
+    call = sd.ring_attention
+    if what == "heads":  # 5 query heads do not split across the group
+        q, call = torch.randn(1, 5, 8, 4), sd.ulysses_attention
+    if what == "zigzag_sizes":  # shards of unequal sizes cannot be zigzag
+        q = torch.randn(1, 2, 8 if rank else 6, 4)
+        return _said(lambda: sd.ring_attention(q, q, q, layout="zigzag", timeout=timeout))
     try:
-        result = sd.ring_attention(q, q, q, mask, timeout=timeout)
+        result = call(q, q, q, mask, timeout=timeout)
         if what == "stale":
             if rank == world - 1:
                 q.add_(1.0)  # e.g. an optimizer step before reading the weights
@@ -218,12 +333,86 @@ def disagree(rank, world, *, what):
     return None
 
 
-def fail(rank, world, *, where, timeout):
-    """The last rank fails in its first block of the forward ring (after the first
-    transfer started), or skips the backward: how the others end, and after how long."""
+def _said(f):
+    try:
+        f()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _kv_bytes(B, H, m, E, Ev, itemsize=4):
+    return B * H * m * (E + Ev) * itemsize
+
+
+def traffic(rank, world, *, scheme, kind):
+    """Bytes this rank sent in a forward and in a backward, by what they carried, and
+    the scheme's theory, written out from the shapes. kind: "dense" (equal shards),
+    "unequal" (UNEQUAL sizes, one empty), "causal" (contiguous, equal), "documents"
+    (UNEQUAL sizes, documents that end where the shards end)."""
+    B, Hq, Hkv, E, Ev, n = 1, 4, 2, 8, 4, 8
+    sizes = UNEQUAL[:world] if kind in ("unequal", "documents") else [n] * world
+    L = sum(sizes)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = _inputs(0, B, Hq, Hkv, L, L, E, Ev, torch.float32)
+    mask = None
+    if kind == "documents":  # one document per shard
+        mask = masks.documents(torch.repeat_interleave(torch.arange(world), torch.tensor(sizes)))
+    where = place(rank, scheme)
+    parts = [sd.shard(t, where, world, sizes=sizes).clone().requires_grad_() for t in (q, k, v)]
+    with sd.traffic() as forward:
+        out = run_scheme(scheme, *parts, mask, causal=kind == "causal", timeout=60).output
+    with sd.traffic() as backward:
+        (out * sd.shard(grad, where, world, sizes=sizes)).sum().backward()
+    del g
+    Uw = {"ring": 1, "ulysses": world, "hybrid": U}[scheme]
+    Rw = world // Uw
+    j, u = divmod(where, Uw)  # this rank's ring place and Ulysses member
+    theory = {"forward": {}, "backward": {}}
+    f, b = theory["forward"], theory["backward"]
+    hq = Hq // Uw
+    hkv = math.lcm(Hkv, Uw) // Uw  # key/value heads per member, repeated to divide by U
+    members = [sizes[i * Uw : (i + 1) * Uw] for i in range(Rw)]  # each ring place's shards
+    chunk = [sum(ms) for ms in members]
+    mine, group = sizes[where], members[j]
+    if Uw > 1:  # the all-to-alls: this rank's heads of others out, others' rows of its heads back
+        f["q"] = (Uw - 1) * B * hq * mine * E * 4
+        f["kv"] = (Uw - 1) * _kv_bytes(B, hkv, mine, E, Ev)
+        f["out"] = sum(B * hq * group[x] * Ev * 4 for x in range(Uw) if x != u)
+        f["lse"] = sum(B * hq * group[x] * 4 for x in range(Uw) if x != u)
+        b["grad"] = (Uw - 1) * B * hq * mine * Ev * 4  # dout, this rank's rows
+        b["grad"] += sum(  # dq, dk, dv of the others' rows
+            B * hq * group[x] * E * 4 + _kv_bytes(B, hkv, group[x], E, Ev)
+            for x in range(Uw) if x != u
+        )  # fmt: skip
+
+    def needs(a, c):  # ring place a's queries see some key of place c's chunk
+        if not chunk[a] or not chunk[c]:
+            return False
+        return {"causal": c <= a, "documents": a == c}.get(kind, True)
+
+    ring_kv = sum(_kv_bytes(B, hkv, chunk[j], E, Ev) for d in range(Rw) if d != j and needs(d, j))
+    if Rw > 1:
+        f["kv"] = f.get("kv", 0) + ring_kv
+        b["kv"] = ring_kv  # the shards again
+        b["grad"] = b.get("grad", 0) + sum(
+            _kv_bytes(B, hkv, chunk[c], E, Ev) for c in range(Rw) if c != j and needs(j, c)
+        )
+    agrees = 2 if mask is not None and Rw > 1 else 1  # the header; with a mask, the plan
+    f["control"] = 4096 * ((Uw - 1) + (Rw - 1) * agrees)
+    return {
+        "forward": {w: nb for w, nb in forward.sent.items() if nb},
+        "backward": {w: nb for w, nb in backward.sent.items() if nb},
+        "theory": {phase: {w: nb for w, nb in t.items() if nb} for phase, t in theory.items()},
+    }
+
+
+def fail(rank, world, *, where, timeout, scheme="ring"):
+    """The last rank fails in its first block of the forward (after the first transfer
+    started), or skips the backward: how the others end, and after how long."""
     from sdpa.distributed import kernels
 
-    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    q = torch.randn(1, 12, 8, 4, requires_grad=True)
     calls = [0]
     if where == "forward" and rank == world - 1:
         real = kernels.forward
@@ -236,7 +425,7 @@ def fail(rank, world, *, where, timeout):
         kernels.forward = broken
     t0 = time.monotonic()
     try:
-        out = sd.ring_attention(q, q, q, timeout=timeout).output
+        out = run_scheme(scheme, q, q, q, None, timeout=timeout).output
         if where == "backward" and rank != world - 1:
             out.sum().backward()
         if where == "backward" and rank == world - 1:
@@ -262,6 +451,7 @@ def absent(rank, world, *, timeout):
 
 
 CASES = {
+    "traffic": traffic,
     "compare": compare,
     "weights": weights,
     "disagree": disagree,
@@ -294,6 +484,7 @@ def spawn(world: int, target=None):
         p.start()
 
     def run(name, wait=120, **kwargs):
+        """Every rank's (error, answer) to case `name`."""
         for q in queues:
             q.put((name, kwargs))
         got = {}
@@ -311,4 +502,5 @@ def spawn(world: int, target=None):
             if p.is_alive():
                 p.kill()
 
+    run.world = world
     return run, stop

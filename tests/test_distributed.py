@@ -24,7 +24,7 @@ TOL = {"out": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
 TOL64 = {"out64": 5e-6, "lse64": 5e-6, "dq64": 1.5e-5, "dk64": 1.5e-5, "dv64": 1.5e-5}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"{w}ranks")
 def group(request):
     run, stop = ring_cases.spawn(request.param)
     yield run
@@ -90,6 +90,66 @@ def test_gradients_match_single_process_autograd_and_the_oracle(group, request, 
             assert errors[name] <= tol, (name, errors)
 
 
+SCHEME_CASES = {
+    "ring_unequal_causal_padding": {"sizes": "unequal", "causal": True, "mask": "padding"},
+    "ring_unequal_documents_gqa": {"sizes": "unequal", "mask": "documents", "Hkv": 2},
+    "ring_per_document_packed": {"layout": "per_document", "causal": True, "mask": "packed"},
+    "ulysses_dense_gqa": {"scheme": "ulysses", "Hq": 12, "Hkv": 2, "Ev": 4},
+    "ulysses_causal_zigzag_gqa3": {
+        "scheme": "ulysses",
+        "Hq": 12,
+        "Hkv": 3,
+        "causal": True,
+        "layout": "zigzag",
+        "scale": 0.3,
+    },
+    "ulysses_unequal_documents": {
+        "scheme": "ulysses",
+        "Hq": 12,
+        "sizes": "unequal",
+        "mask": "documents",
+    },
+    "ulysses_per_document_mqa": {
+        "scheme": "ulysses",
+        "Hq": 12,
+        "Hkv": 1,
+        "layout": "per_document",
+        "causal": True,
+        "mask": "packed",
+    },
+    "hybrid_dense_mqa": {"scheme": "hybrid", "Hkv": 1},
+    "hybrid_causal_zigzag_padding": {
+        "scheme": "hybrid",
+        "Hkv": 2,
+        "causal": True,
+        "layout": "zigzag",
+        "mask": "padding",
+    },
+    "hybrid_unequal_window": {
+        "scheme": "hybrid",
+        "sizes": "unequal",
+        "mask": "window",
+        "causal": True,
+    },
+}
+
+
+def _scheme_runs(group, case):
+    if case.get("scheme") == "hybrid" and group.world not in (4, 8):
+        pytest.skip("the hybrid runs on U x R ranks, U = R = 2 here: 4 ranks")
+
+
+@pytest.mark.parametrize("case", SCHEME_CASES)
+def test_every_scheme_and_shard_sizes_match_single_process_and_the_oracle(group, request, case):
+    """Ulysses, the hybrid, and the ring on unequal shards (one empty) and per-document
+    layouts: outputs, LSE and gradients against sdpa.attention on the whole sequence
+    and the float64 oracle, with GQA whose key heads do and do not divide the group."""
+    _scheme_runs(group, SCHEME_CASES[case])
+    for errors in _ok(group("compare", seed=_seed(request), grad=True, **SCHEME_CASES[case])):
+        for name, tol in _tolerances(SCHEME_CASES[case]).items():
+            assert errors[name] <= tol, (name, errors)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_is_as_close_as_single_process(group, request, dtype):
     """Blocks run in float32 and merge in float32; only the output is rounded to the
@@ -119,10 +179,59 @@ def test_half_precision_is_as_close_as_single_process(group, request, dtype):
 def test_weights_rows_entropy_topk_and_received_sums(group, request, case):
     """Against the float64 oracle's weights; worst seen over 15 seeds x 6 masks x 2 and 4
     ranks: sum 1.9e-6 (over L rows), the others <= 1.1e-6."""
-    for errors in _ok(group("weights", seed=_seed(request), **case)):
+    _check_reads(group("weights", seed=_seed(request), **case))
+
+
+def _check_reads(answers):
+    for errors in _ok(answers):
         assert errors.pop("shape") == 0
         for name, err in errors.items():
-            assert err <= (1e-5 if name == "sum" else 5e-6), (name, errors)
+            assert err <= (
+                1e-5 if name in ("sum", "kl", "max_logits_row", "max_logits_head") else 5e-6
+            ), (name, errors)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"sizes": "unequal", "causal": True},
+        {"layout": "per_document", "causal": True, "mask": "packed"},
+        {"scheme": "ulysses", "causal": True, "layout": "zigzag", "mask": "padding"},
+        {"scheme": "hybrid", "sizes": "unequal", "mask": "documents"},
+    ],
+    ids=["ring_unequal", "ring_per_document", "ulysses", "hybrid"],
+)
+def test_every_read_across_ranks_for_every_scheme(group, request, case):
+    """Rows, a column, entropy, top-k, row max, max logits (per head over every rank's
+    rows), KL against a second call's weights, and received sums, on unequal shards (one
+    empty) and under Ulysses and the hybrid, against the float64 oracle."""
+    _scheme_runs(group, case)
+    if case.get("scheme") == "ulysses" and 4 % group.world:
+        case = {**case, "scheme": "ring"}  # 4 heads: Ulysses on 2 and 4 ranks
+    _check_reads(group("weights", seed=_seed(request), **case))
+
+
+TRAFFIC = [
+    ("ring", "dense"), ("ring", "unequal"), ("ring", "causal"), ("ring", "documents"),
+    ("ulysses", "dense"), ("ulysses", "unequal"), ("hybrid", "dense"), ("hybrid", "causal"),
+    ("hybrid", "documents"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("scheme", "kind"), TRAFFIC, ids=["-".join(t) for t in TRAFFIC])
+def test_bytes_sent_are_the_schemes_theory(group, scheme, kind):
+    """Payload bytes each rank sends, by what they carry, equal the theory written out
+    from the shapes (ring: the key/value shards some query of the receiver sees, forward
+    and again backward, plus their gradients; Ulysses: its all-to-all volumes; GQA heads
+    repeated to divide the group counted); control bytes are one 4 KiB header per
+    exchange per peer. Causal ring ranks send only to later ranks; documents that end
+    where the shards end send no key/value shard at all."""
+    if scheme == "ulysses" and 4 % group.world:
+        pytest.skip("4 query heads split across 2 or 4 ranks")
+    _scheme_runs(group, {"scheme": scheme})
+    for answer in _ok(group("traffic", scheme=scheme, kind=kind)):
+        assert answer["forward"] == answer["theory"]["forward"], answer
+        assert answer["backward"] == answer["theory"]["backward"], answer
 
 
 def test_ranks_with_different_shapes_all_raise(group):
@@ -162,6 +271,18 @@ def test_a_rank_with_bad_arguments_makes_every_rank_raise(group, what, error):
         assert message.startswith("RingError") and f"rank {world - 1} failed: {kind}" in message
 
 
+def test_heads_that_do_not_split_across_the_group_are_refused_by_every_rank(group):
+    for message in _ok(group("disagree", what="heads")):
+        assert message.startswith("SdpaValueError"), message
+        assert f"5 query heads do not divide by {group.world}" in message
+
+
+def test_zigzag_refuses_unequal_shards_on_every_rank(group):
+    for message in _ok(group("disagree", what="zigzag_sizes")):
+        assert message.startswith("SdpaValueError") and "equal, even shards" in message
+        assert "[6" in message  # the sizes seen
+
+
 def test_a_mask_batch_dim_needs_one_batch_dim_as_in_attention(group):
     for message in _ok(group("disagree", what="batch5d")):
         assert message.startswith("SdpaValueError") and "exactly one batch dim" in message
@@ -181,25 +302,35 @@ def test_a_rank_that_never_calls_gives_timeouts_not_a_hang():
     assert "destroy_process_group()" in messages[0]  # the group is unusable now: say so
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_rank_failing_mid_ring_or_skipping_backward_gives_errors_not_a_hang(where):
-    """Rank 2 of 3 fails or skips; rank 0 waits on it (its previous rank) and times out
-    naming the step; rank 1 ends too, with a result or a timeout (gloo may buffer its
-    send): every call returns."""
-    run, stop = ring_cases.spawn(3)
+@pytest.mark.parametrize(
+    ("where", "scheme", "world"),
+    [("forward", "ring", 3), ("backward", "ring", 3), ("forward", "ulysses", 3),
+     ("backward", "hybrid", 4)],
+)  # fmt: skip
+def test_a_rank_failing_mid_call_or_skipping_backward_gives_errors_not_a_hang(where, scheme, world):
+    """The last rank fails in its first block or skips the backward; the ranks that
+    wait on it time out naming the step and saying the group is unusable; the others
+    end too, with a result or a timeout (gloo may buffer a send): every call returns."""
+    run, stop = ring_cases.spawn(world)
     try:
-        first, middle, last = _ok(run("fail", wait=60, where=where, timeout=2.0))
+        first, *middle, last = _ok(run("fail", wait=60, where=where, timeout=2.0, scheme=scheme))
     finally:
         stop()
     if where == "forward":
         assert last.startswith("MemoryError") and "out of memory in a block" in last
     else:
         assert last == "skipped the backward"
-    for message in (first, middle):
-        if message is first or message is not None:
-            assert message.startswith("RingTimeoutError after"), message
-            assert 1.5 <= float(message.split()[2]) <= 10, message
-            assert f"{where} ring step" in message and "every rank runs it" in message
+    steps = {  # where the others wait: a rank's own peers, or a peer's (the hybrid's grid)
+        ("ring", "forward"): ["forward ring step"],
+        ("ring", "backward"): ["backward ring step"],
+        ("ulysses", "forward"): ["Ulysses' all-to-all of out"],
+        ("hybrid", "backward"): ["Ulysses' all-to-all of grad", "backward ring step"],
+    }[scheme, where]
+    for message in (first, *middle):  # every rank needs the last one's shard or heads
+        assert message.startswith("RingTimeoutError after"), message
+        assert 1.5 <= float(message.split()[2]) <= 10, message
+        assert any(s in message for s in steps) and "every rank runs it" in message, message
+        assert "destroy_process_group()" in message, message
 
 
 def test_shard_and_unshard_round_trip():
