@@ -20,7 +20,7 @@ WORLD = 2
 B, HQ, HKV, L, E = 2, 4, 2, 16, 8  # L = S: the whole sequence, n = L / WORLD per rank
 
 
-def _reads(w, g, own_q, own_k, picked):
+def _reads(w, g, own_q, own_k, picked, teacher):
     """A loss over every read of the weights w (this rank's rows, or the whole), each
     weighted by a fixed random tensor of the whole sequence sliced to w's rows (own_q)
     and keys (own_k); picked: w's row indices of the rows read one by one."""
@@ -33,11 +33,12 @@ def _reads(w, g, own_q, own_k, picked):
         (w[1, :, picked] * g["full"][1, :, own_q[picked]]).sum(),
         (w.amax(-1) * g["rows"][..., own_q]).sum(),
         (w.lse * g["rows"][..., own_q]).sum(),
+        (w.kl(teacher) * g["rows"][..., own_q]).sum(),  # a distillation loss: into w's side
     ]
     return sum(parts)
 
 
-def grads_case(rank, world, *, layout, causal):
+def grads_case(rank, world, *, layout, causal, sizes=None):
     """|ours - single process| of dq and dk on this rank's shards, and of the loss."""
     import sdpa
     from sdpa import distributed as sd
@@ -51,21 +52,32 @@ def grads_case(rank, world, *, layout, causal):
         "full": torch.randn(B, HQ, L, L, generator=gen),
     }
     every = torch.arange(L)
-    pos = [sd.positions(L // world, r, world, layout) for r in range(world)]
+    n = [L // world] * world if sizes is None else sizes
+    pos = [sd.positions(n[r], r, world, layout, sizes=sizes) for r in range(world)]
+    q2 = torch.randn(q.shape, generator=gen)  # the teacher's queries (no gradient)
     whole = [t.clone().requires_grad_() for t in (q, k)]
     w = sdpa.attention(*whole, v, causal=causal).weights
-    total = _reads(w, g, every, every, [int(p[2]) for p in pos])  # row 2 of each rank
+    t = sdpa.attention(q2, k, v, causal=causal).weights
+    total = _reads(w, g, every, every, [int(p[2]) for p in pos], t)  # row 2 of each rank
     total.backward()
-    parts = [sd.shard(t, rank, world, layout=layout).clone().requires_grad_() for t in (q, k)]
-    vs = sd.shard(v, rank, world, layout=layout)
+
+    def cut(t):
+        return sd.shard(t, rank, world, layout=layout, sizes=sizes)
+
+    parts = [cut(t).clone().requires_grad_() for t in (q, k)]
+    vs = cut(v)
     ours = sd.ring_attention(*parts, vs, causal=causal, layout=layout, timeout=60).weights
-    mine = _reads(ours, g, pos[rank], pos[rank], [2])
+    teacher = sd.ring_attention(
+        cut(q2), cut(k), vs,
+        causal=causal, layout=layout, timeout=60,
+    ).weights  # fmt: skip
+    mine = _reads(ours, g, pos[rank], pos[rank], [2] if len(pos[rank]) > 2 else [], teacher)
     mine.backward()  # a collective: every rank runs it
     loss = mine.detach().clone()
     dist.all_reduce(loss)
     return {
-        "dq": (parts[0].grad - sd.shard(whole[0].grad, rank, world, layout=layout)).abs().max(),
-        "dk": (parts[1].grad - sd.shard(whole[1].grad, rank, world, layout=layout)).abs().max(),
+        "dq": (parts[0].grad - cut(whole[0].grad)).abs().max(),
+        "dk": (parts[1].grad - cut(whole[1].grad)).abs().max(),
         "dk_size": whole[1].grad.abs().max(),
         "loss": (loss - total.detach()).abs(),
     }
@@ -112,10 +124,13 @@ def ring():
 
 
 @pytest.mark.parametrize(
-    "layout,causal", [("contiguous", False), ("zigzag", True)], ids=["contiguous", "zigzag"]
+    "layout,causal,sizes",
+    [("contiguous", False, None), ("zigzag", True, None), ("contiguous", True, [5, 11])],
+    ids=["contiguous", "zigzag", "unequal"],
 )
-def test_every_read_of_ring_weights_gives_single_process_gradients(ring, layout, causal):
-    for rank, (error, errors) in enumerate(ring("grads", layout=layout, causal=causal)):
+def test_every_read_of_ring_weights_gives_single_process_gradients(ring, layout, causal, sizes):
+    answers = ring("grads", layout=layout, causal=causal, sizes=sizes)
+    for rank, (error, errors) in enumerate(answers):
         assert error is None, f"rank {rank}: {error}"
         assert errors["dk_size"] > 0.1  # the reads do reach the keys
         assert errors["loss"] < 1e-4, errors
