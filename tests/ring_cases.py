@@ -15,7 +15,7 @@ import torch.distributed as dist
 import sdpa
 from sdpa import distributed as sd
 from sdpa import masks
-from sdpa.distributed.layout import PerDocument
+from sdpa.distributed.layout import PerDocument, Rearranged
 
 from oracle import oracle
 
@@ -190,6 +190,9 @@ def _layout(layout, world):
     positions (12 * world in all), cut head-tail each."""
     if layout == "per_document":
         return sd.per_document([4 * world, 2 * world, 6 * world])
+    if layout == "rearranged":  # blocks of 4 positions in a random order, 12 * world in all
+        blocks = torch.randperm(3 * world, generator=torch.Generator().manual_seed(world))
+        return sd.rearranged((blocks[:, None] * 4 + torch.arange(4)).flatten())
     return layout
 
 
@@ -205,7 +208,7 @@ def compare(
     "unequal" for shards of UNEQUAL sizes (queries and keys alike; contiguous layout)."""
     dtype = getattr(torch, dtype)
     layout = _layout(layout, world)
-    if isinstance(layout, PerDocument):
+    if isinstance(layout, PerDocument | Rearranged):
         n = 12
     Hkv, m, Ev = Hkv or Hq, m or n, Ev or E
     cuts = shard_sizes(sizes, world, n)
@@ -257,7 +260,7 @@ def weights(
     gathered sequence."""
     B, Hq, E = 2, 4, 8
     layout = _layout(layout, world)
-    n = 12 if isinstance(layout, PerDocument) else 8
+    n = 12 if isinstance(layout, PerDocument | Rearranged) else 8
     cuts = shard_sizes(sizes, world, n)
     L = n * world if cuts is None else sum(cuts)
     q, k, v, _ = _inputs(seed, B, Hq, Hkv, L, L, E, E, torch.float32)

@@ -94,6 +94,7 @@ SCHEME_CASES = {
     "ring_unequal_causal_padding": {"sizes": "unequal", "causal": True, "mask": "padding"},
     "ring_unequal_documents_gqa": {"sizes": "unequal", "mask": "documents", "Hkv": 2},
     "ring_per_document_packed": {"layout": "per_document", "causal": True, "mask": "packed"},
+    "ring_rearranged_packed": {"layout": "rearranged", "causal": True, "mask": "packed"},
     "ulysses_dense_gqa": {"scheme": "ulysses", "Hq": 12, "Hkv": 2, "Ev": 4},
     "ulysses_causal_zigzag_gqa3": {
         "scheme": "ulysses",
@@ -198,8 +199,9 @@ def _check_reads(answers):
         {"layout": "per_document", "causal": True, "mask": "packed"},
         {"scheme": "ulysses", "causal": True, "layout": "zigzag", "mask": "padding"},
         {"scheme": "hybrid", "sizes": "unequal", "mask": "documents"},
+        {"scheme": "hybrid", "layout": "rearranged", "causal": True},
     ],
-    ids=["ring_unequal", "ring_per_document", "ulysses", "hybrid"],
+    ids=["ring_unequal", "ring_per_document", "ulysses", "hybrid", "hybrid_rearranged"],
 )
 def test_every_read_across_ranks_for_every_scheme(group, request, case):
     """Rows, a column, entropy, top-k, row max, max logits (per head over every rank's
@@ -342,6 +344,76 @@ def test_shard_and_unshard_round_trip():
             assert torch.equal(p[0, :, 0], sd.positions(8, r, 3, layout))
     assert sd.positions(4, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]
     assert sd.positions(4, 1, 2, "zigzag").tolist() == [2, 3, 4, 5]
+
+
+def _balancers():
+    return pytest.importorskip(
+        "torch.distributed.tensor.experimental._context_parallel._load_balancer",
+        reason="this torch has no context-parallel load balancers (a private module)",
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_zigzag_is_the_order_of_torchs_head_tail_load_balancer(world):
+    lb = _balancers()
+    for L in (2 * world, 6 * world, 16 * world):
+        theirs = lb._HeadTailLoadBalancer(L, world, "cpu")._generate_indices()[0].long()
+        ours = torch.cat([sd.positions(L // world, r, world, "zigzag") for r in range(world)])
+        assert torch.equal(ours, theirs), (L, world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rearranged_shards_are_context_parallels_buffers(world):
+    """torch's context_parallel rearranges a buffer by its balancer's indices and gives
+    rank r the r-th of R equal slices: sd.rearranged(indices) is that layout, for the
+    head-tail and the per-document balancers."""
+    lb = _balancers()
+    docs = [4 * world, 2 * world, 8 * world]
+    L = sum(docs)
+    x = torch.randn(2, 3, L, 5)
+    for balancer in (
+        lb._HeadTailLoadBalancer(L, world, "cpu"),
+        lb._PerDocumentHeadTailLoadBalancer([docs], world, "cpu"),
+    ):
+        indices = balancer._generate_indices()  # (1, L)
+        layout = sd.rearranged(indices)
+        theirs = x.index_select(2, indices[0]).chunk(world, dim=2)
+        pieces = [sd.shard(x, r, world, layout=layout) for r in range(world)]
+        for r in range(world):
+            assert torch.equal(pieces[r], theirs[r])
+            assert torch.equal(
+                sd.positions(L // world, r, world, layout),
+                indices[0, r * (L // world) :][: L // world].long(),
+            )
+        assert torch.equal(sd.unshard(pieces, layout=layout), x)
+
+
+def test_per_document_is_head_tail_inside_every_document():
+    """The order drawn in the docstring of torch's per-document balancer: documents of 4,
+    8 and 4 on 2 ranks, rank 0 holds the head and the tail of each."""
+    layout = sd.per_document([4, 8, 4])
+    assert sd.positions(8, 0, 2, layout).tolist() == [0, 3, 4, 5, 10, 11, 12, 15]
+    assert sd.positions(8, 1, 2, layout).tolist() == [1, 2, 6, 7, 8, 9, 13, 14]
+    x = torch.arange(16)[None, :, None]
+    pieces = [sd.shard(x, r, 2, layout=layout) for r in range(2)]
+    assert torch.equal(sd.unshard(pieces, layout=layout), x)
+    with pytest.raises(ValueError, match=r"documents of length \[6\] do not cut into 4"):
+        sd.shard(torch.zeros(1, 14, 2), 0, 2, layout=sd.per_document([8, 6]))
+
+
+def test_unequal_contiguous_shards_round_trip_and_refuse_wrong_sizes():
+    x = torch.arange(24).view(1, 24, 1)
+    sizes = [7, 0, 12, 5]
+    pieces = [sd.shard(x, r, 4, sizes=sizes, dim=1) for r in range(4)]
+    assert [p.shape[1] for p in pieces] == sizes
+    assert torch.equal(sd.unshard(pieces, dim=1), x)
+    assert sd.positions(5, 3, 4, sizes=sizes).tolist() == [19, 20, 21, 22, 23]
+    with pytest.raises(ValueError, match="summing to x"):
+        sd.shard(x, 0, 4, sizes=[7, 0, 12, 4], dim=1)
+    with pytest.raises(ValueError, match="equal, even shards"):
+        sd.shard(x, 0, 4, sizes=sizes, dim=1, layout="zigzag")
+    with pytest.raises(ValueError, match="permutation"):
+        sd.rearranged([0, 0, 1])
 
 
 def test_shard_refuses_uneven_lengths_and_unknown_layouts():

@@ -9,7 +9,14 @@ cut and join sequences in any layout; `traffic` counts the bytes sent.
 """
 
 from sdpa.distributed.comm import RingError, RingTimeoutError, Traffic, traffic
-from sdpa.distributed.layout import LAYOUTS, per_document, positions, shard, unshard
+from sdpa.distributed.layout import (
+    LAYOUTS,
+    per_document,
+    positions,
+    rearranged,
+    shard,
+    unshard,
+)
 from sdpa.distributed.schemes import hybrid_attention, ring_attention, ulysses_attention
 from sdpa.distributed.weights import RingWeights
 
@@ -22,6 +29,7 @@ __all__ = [
     "hybrid_attention",
     "per_document",
     "positions",
+    "rearranged",
     "ring_attention",
     "shard",
     "traffic",

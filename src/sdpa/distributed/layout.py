@@ -6,8 +6,12 @@ attention the last rank does the most work.
 "zigzag": the sequence is cut into 2R equal chunks and rank r holds chunks r and
 2R-1-r, so every rank gets an early and a late chunk and the same causal work (the
 head-tail load balancing of ring-flash-attention and torch's context_parallel).
-`per_document(lengths)`: the zigzag inside each packed document (torch's per-document
-head-tail balancer): rank r holds chunks r and 2R-1-r of every document.
+`per_document(lengths)`: the zigzag inside each packed document (the order of the
+example in the docstring of torch's per-document head-tail balancer): rank r holds
+chunks r and 2R-1-r of every document.
+`rearranged(indices)`: the buffers of torch's context_parallel with a load balancer:
+the sequence is rearranged by `indices` (the balancer's `_generate_indices()[0]`) and
+rank r holds the r-th of R equal slices, so its positions are indices[r*n:(r+1)*n].
 
     R = 2, 8 positions   contiguous: rank 0 [0 1 2 3]  rank 1 [4 5 6 7]
                          zigzag:     rank 0 [0 1 6 7]  rank 1 [2 3 4 5]
@@ -16,6 +20,7 @@ head-tail balancer): rank r holds chunks r and 2R-1-r of every document.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -85,15 +90,67 @@ def per_document(lengths: Sequence[int] | torch.Tensor) -> PerDocument:
     return PerDocument(lengths)
 
 
-Layout = str | PerDocument
+class Rearranged:
+    """The layout of a sequence rearranged by a permutation `indices` of range(L) and
+    cut into R equal slices (torch's context_parallel buffers)."""
+
+    def __init__(self, indices: torch.Tensor):
+        self.indices = indices
+        digest = hashlib.sha1(indices.numpy().tobytes()).hexdigest()[:16]
+        self._name = f"rearranged(L={len(indices)}, sha1:{digest})"
+
+    def runs(self, rank: int, world: int) -> list[Run]:
+        n = len(self.indices) // world
+        mine = self.indices[rank * n : (rank + 1) * n].tolist()
+        out: list[Run] = []
+        for local, p in enumerate(mine):
+            if out and out[-1].start + out[-1].length == p:
+                out[-1] = Run(out[-1].local, out[-1].start, out[-1].length + 1)
+            else:
+                out.append(Run(local, p, 1))
+        return out
+
+    def check(self, world: int) -> None:
+        if len(self.indices) % world:
+            raise SdpaValueError(
+                f"{self!r} does not cut into {world} equal slices; torch's balancers give "
+                f"lengths that divide by the ranks (twice the ranks for head-tail)"
+            )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Rearranged) and repr(other) == repr(self)
+
+    def __hash__(self) -> int:
+        return hash(self._name)
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+def rearranged(indices: Sequence[int] | torch.Tensor) -> Rearranged:
+    """The layout of torch's context_parallel buffers rearranged by a load balancer's
+    indices, (L,) or (1, L): rank r holds positions indices[r * L/R : (r + 1) * L/R]."""
+    t = torch.as_tensor(indices).detach().cpu()
+    if t.ndim == 2 and t.shape[0] == 1:
+        t = t[0]
+    t = t.long()
+    if t.ndim != 1 or not torch.equal(torch.sort(t).values, torch.arange(len(t))):
+        raise SdpaValueError(
+            f"rearranged takes a permutation of range(L), (L,) or (1, L) (one for every "
+            f"batch row), got a tensor of shape {tuple(t.shape)} that is not one"
+        )
+    return Rearranged(t)
+
+
+Layout = str | PerDocument | Rearranged
 
 
 def check_layout(layout: object) -> Layout:
-    if isinstance(layout, PerDocument) or layout in LAYOUTS:
+    if isinstance(layout, PerDocument | Rearranged) or layout in LAYOUTS:
         return layout  # type: ignore[return-value]
     raise SdpaValueError(
-        f"layout must be 'contiguous', 'zigzag' or sdpa.distributed.per_document(lengths), "
-        f"got {layout!r}"
+        f"layout must be 'contiguous', 'zigzag', sdpa.distributed.per_document(lengths) or "
+        f"sdpa.distributed.rearranged(indices), got {layout!r}"
     )
 
 
@@ -118,7 +175,7 @@ def cut(layout: Layout, sizes: Sequence[int], what: str = "shards") -> list[list
     if layout == "contiguous":
         starts = [sum(sizes[:r]) for r in range(world)]
         return [[Run(0, starts[r], sizes[r])] if sizes[r] else [] for r in range(world)]
-    if isinstance(layout, PerDocument):
+    if isinstance(layout, PerDocument | Rearranged):
         layout.check(world)
         runs = [layout.runs(r, world) for r in range(world)]
         want = [sum(run.length for run in rs) for rs in runs]
@@ -156,7 +213,8 @@ def _sizes_of(n_total: int, world: int, layout: Layout, sizes, what: str) -> lis
                 f"length {n_total}, got {sizes}"
             )
         return sizes
-    if isinstance(layout, PerDocument):
+    if isinstance(layout, PerDocument | Rearranged):
+        layout.check(world)
         return [sum(r.length for r in layout.runs(rank, world)) for rank in range(world)]
     parts = world * (2 if layout == "zigzag" else 1)
     if n_total % parts:
