@@ -147,7 +147,16 @@ def _oracle(q, k, v, keep, causal, scale, dtype=torch.float64):
     """The float64 oracle on the gathered sequence: (out, p), differentiable in q, k, v."""
     if keep is not None and q.ndim == 3:  # (B, L, E): the mask without its head dim
         keep = keep[:, 0]
-    return oracle(q, k, v, keep, causal=causal, scale=scale, dtype=dtype)
+    if keep is None or not keep.is_floating_point():
+        return oracle(q, k, v, keep, causal=causal, scale=scale, dtype=dtype)
+    # a float mask's rows that see no key: out 0 and no gradient, written out here (the
+    # listing's softmax of -inf alone gives NaN gradients)
+    seen = ~torch.isneginf(keep)
+    if causal:
+        seen = seen & torch.ones(keep.shape[-2:], dtype=torch.bool).tril()
+    dead = ~seen.any(-1, keepdim=True)
+    out, p = oracle(q, k, v, keep.masked_fill(dead, 0.0), causal=causal, scale=scale, dtype=dtype)
+    return out.masked_fill(dead, 0.0), p.masked_fill(dead, 0.0)
 
 
 def _lse64(q, k, keep, causal, scale):
@@ -161,18 +170,23 @@ def _lse64(q, k, keep, causal, scale):
     s = q @ k.mT * (q.shape[-1] ** -0.5 if scale is None else scale)
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -torch.inf)
-    if keep is not None:
+    if keep is not None and keep.is_floating_point():
+        s = s + keep.double()
+    elif keep is not None:
         s = s.masked_fill(~keep, -torch.inf)
     lse = s.logsumexp(-1)
     return lse.masked_fill(lse == -torch.inf, 0.0)
 
 
 def _scores64(q, k, keep, causal):
-    """The raw scores (default scale) in float64, -inf where masked: (B, Hq, L, S)."""
+    """The raw scores (default scale, plus a float mask) in float64, -inf where masked:
+    (B, Hq, L, S)."""
     q, k = q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = q @ k.mT * q.shape[-1] ** -0.5
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -torch.inf)
+    if keep is not None and keep.is_floating_point():
+        return s + keep.double()
     return s if keep is None else s.masked_fill(~keep, -torch.inf)
 
 
@@ -216,16 +230,17 @@ def compare(
     q, k, v, g = _inputs(seed, B, Hq, Hkv, L, S, E, Ev, dtype)
     if three_d:
         q, k, v, g = q[:, 0], k[:, 0], v[:, 0], g[:, 0]
-    mk = _mask(mask, B, L, seed)
+
+    def mine(t, dim=-2):  # this rank's part of a whole-sequence tensor
+        return sd.shard(t, place(rank, scheme), world, layout=layout, sizes=cuts, dim=dim)
+
+    mk, given, keep = _masks(mask, B, Hq, L, S, seed, grad, mine)
     whole = [t.clone().requires_grad_(grad) for t in (q, k, v)]
     ref = sdpa.attention(*whole, mk, causal=causal, scale=scale)
-
-    def mine(t):  # this rank's part of a whole-sequence tensor
-        return sd.shard(t, place(rank, scheme), world, layout=layout, sizes=cuts)
-
     parts = [mine(t).detach().clone().requires_grad_(grad) for t in (q, k, v)]
-    ours = run_scheme(scheme, *parts, mk, causal=causal, scale=scale, layout=layout, timeout=60)
-    keep = _keep(mask, B, L, seed)
+    ours = run_scheme(scheme, *parts, given, causal=causal, scale=scale, layout=layout, timeout=60)
+    if mask in TENSOR_MASKS:
+        keep = keep.detach()
     exact = [t.double().requires_grad_(grad) for t in (q, k, v)]
     exact_out = _oracle(*exact, keep, causal, scale)[0]
 
@@ -248,7 +263,43 @@ def compare(
         for name, part, full, x in zip("qkv", parts, whole, exact, strict=True):
             errors[f"d{name}"] = _max_err(part.grad, mine(full.grad))
             errors[f"d{name}64"] = _max_err(part.grad, mine(x.grad))
+        if isinstance(given, torch.Tensor) and given.requires_grad:  # a float mask's
+            errors["dmask"] = _max_err(given.grad, mine(mk.grad))
     return errors
+
+
+TENSOR_MASKS = ("rows", "bias", "key_padding")
+
+
+def _masks(kind, B, Hq, L, S, seed, grad, mine):
+    """(the mask of single-process attention, what this rank passes, the oracle's mask)
+    for a structured or tensor mask kind; mine(t, dim) cuts this rank's part."""
+    if kind not in TENSOR_MASKS:
+        mk = _mask(kind, B, L, seed)
+        return mk, mk, _keep(kind, B, L, seed)
+    mk = _tensor_mask(kind, B, Hq, L, S, seed).requires_grad_(grad and kind == "bias")
+    if kind == "key_padding":
+        return mk, sd.key_padding(mine(mk[:, 0, 0], dim=-1)), mk
+    return mk, mine(mk.detach()).clone().requires_grad_(mk.requires_grad), mk.detach()
+
+
+def _tensor_mask(kind, B, Hq, L, S, seed):
+    """A tensor mask of the whole sequence: "rows" bool (B, 1, L, S) with a row that sees
+    nothing; "bias" float (B, Hq, L, S) with -inf entries and a row of them; "key_padding"
+    bool (B, 1, 1, S) (True = a real key)."""
+    g = torch.Generator().manual_seed(seed + 2)
+    if kind == "rows":
+        keep = torch.rand(B, 1, L, S, generator=g) < 0.6
+        keep[:, :, L // 2] = False
+        return keep
+    if kind == "bias":
+        bias = torch.randn(B, Hq, L, S, generator=g)
+        bias = bias.masked_fill(torch.rand(B, Hq, L, S, generator=g) < 0.2, -torch.inf)
+        bias[:, 1, L // 3] = -torch.inf
+        return bias
+    keep = torch.rand(B, 1, 1, S, generator=g) < 0.7
+    keep[0, :, :, : S // 2] = False  # whole shards of padding
+    return keep
 
 
 def weights(
@@ -265,19 +316,18 @@ def weights(
     L = n * world if cuts is None else sum(cuts)
     q, k, v, _ = _inputs(seed, B, Hq, Hkv, L, L, E, E, torch.float32)
     q2 = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 7))
-    mk = _mask(mask, B, L, seed)
     where = place(rank, scheme)
 
-    def mine(t):
-        return sd.shard(t, where, world, layout=layout, sizes=cuts)
+    def mine(t, dim=-2):
+        return sd.shard(t, where, world, layout=layout, sizes=cuts, dim=dim)
 
+    _, given, keep = _masks(mask, B, Hq, L, L, seed, False, mine)
     ours, teacher = (
-        run_scheme(scheme, mine(x), mine(k), mine(v), mk, causal=causal, layout=layout,
+        run_scheme(scheme, mine(x), mine(k), mine(v), given, causal=causal, layout=layout,
                    timeout=60).weights
         for x in (q, q2)
     )  # fmt: skip
     n = len(pos := sd.positions(mine(q).shape[-2], where, world, layout, sizes=cuts))
-    keep = _keep(mask, B, L, seed)
     p = _oracle(q, k, v, keep, causal, None)[1]  # (B, Hq, L, S) float64
     mine_p, p_t = p[:, :, pos], _oracle(q2, k, v, keep, causal, None)[1][:, :, pos]
     plogp = torch.where(mine_p > 0, mine_p * mine_p.log(), torch.zeros_like(mine_p))
@@ -362,6 +412,8 @@ def traffic(rank, world, *, scheme, kind):
     if kind == "documents":  # one document per shard
         mask = masks.documents(torch.repeat_interleave(torch.arange(world), torch.tensor(sizes)))
     where = place(rank, scheme)
+    if kind == "key_padding":  # (B, m) of this rank's keys, travelling with them
+        mask = sd.key_padding(torch.ones(B, sizes[where], dtype=torch.bool))
     parts = [sd.shard(t, where, world, sizes=sizes).clone().requires_grad_() for t in (q, k, v)]
     with sd.traffic() as forward:
         out = run_scheme(scheme, *parts, mask, causal=kind == "causal", timeout=60).output
@@ -394,14 +446,19 @@ def traffic(rank, world, *, scheme, kind):
             return False
         return {"causal": c <= a, "documents": a == c}.get(kind, True)
 
-    ring_kv = sum(_kv_bytes(B, hkv, chunk[j], E, Ev) for d in range(Rw) if d != j and needs(d, j))
+    senders = [d for d in range(Rw) if d != j and needs(d, j)]
+    ring_kv = sum(_kv_bytes(B, hkv, chunk[j], E, Ev) for d in senders)
+    if kind == "key_padding":  # B * m bytes with each shard; Ulysses: every member's
+        f["mask"] = b["mask"] = B * chunk[j] * len(senders)
+        f["mask"] += (Uw - 1) * B * mine
     if Rw > 1:
         f["kv"] = f.get("kv", 0) + ring_kv
         b["kv"] = ring_kv  # the shards again
         b["grad"] = b.get("grad", 0) + sum(
             _kv_bytes(B, hkv, chunk[c], E, Ev) for c in range(Rw) if c != j and needs(j, c)
         )
-    agrees = 2 if mask is not None and Rw > 1 else 1  # the header; with a mask, the plan
+    structured = isinstance(mask, masks.Mask)
+    agrees = 2 if structured and Rw > 1 else 1  # the header; with a structured mask, the plan
     f["control"] = 4096 * ((Uw - 1) + (Rw - 1) * agrees)
     return {
         "forward": {w: nb for w, nb in forward.sent.items() if nb},

@@ -118,6 +118,18 @@ SCHEME_CASES = {
         "causal": True,
         "mask": "packed",
     },
+    "ring_rows_mask_unequal": {"mask": "rows", "sizes": "unequal", "causal": True},
+    "ring_bias_gqa_zigzag": {"mask": "bias", "Hkv": 2, "layout": "zigzag", "causal": True},
+    "ring_key_padding_unequal": {"mask": "key_padding", "sizes": "unequal"},
+    "ulysses_bias": {"scheme": "ulysses", "Hq": 12, "Hkv": 2, "mask": "bias"},
+    "ulysses_rows_key_padding": {
+        "scheme": "ulysses",
+        "Hq": 12,
+        "mask": "key_padding",
+        "causal": True,
+    },
+    "hybrid_bias_unequal": {"scheme": "hybrid", "mask": "bias", "sizes": "unequal"},
+    "hybrid_rows": {"scheme": "hybrid", "mask": "rows", "layout": "zigzag", "causal": True},
     "hybrid_dense_mqa": {"scheme": "hybrid", "Hkv": 1},
     "hybrid_causal_zigzag_padding": {
         "scheme": "hybrid",
@@ -142,13 +154,17 @@ def _scheme_runs(group, case):
 
 @pytest.mark.parametrize("case", SCHEME_CASES)
 def test_every_scheme_and_shard_sizes_match_single_process_and_the_oracle(group, request, case):
-    """Ulysses, the hybrid, and the ring on unequal shards (one empty) and per-document
-    layouts: outputs, LSE and gradients against sdpa.attention on the whole sequence
-    and the float64 oracle, with GQA whose key heads do and do not divide the group."""
+    """Ulysses, the hybrid, and the ring on unequal shards (one empty), per-document and
+    rearranged layouts and tensor masks (bool rows, float rows with their gradient, key
+    padding per rank): outputs, LSE and gradients against sdpa.attention on the whole
+    sequence and the float64 oracle, with GQA whose key heads do and do not divide the
+    group."""
     _scheme_runs(group, SCHEME_CASES[case])
     for errors in _ok(group("compare", seed=_seed(request), grad=True, **SCHEME_CASES[case])):
         for name, tol in _tolerances(SCHEME_CASES[case]).items():
             assert errors[name] <= tol, (name, errors)
+        if SCHEME_CASES[case].get("mask") == "bias":  # a float mask's gradient, its rows
+            assert errors["dmask"] <= 1e-4, errors
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -200,8 +216,20 @@ def _check_reads(answers):
         {"scheme": "ulysses", "causal": True, "layout": "zigzag", "mask": "padding"},
         {"scheme": "hybrid", "sizes": "unequal", "mask": "documents"},
         {"scheme": "hybrid", "layout": "rearranged", "causal": True},
+        {"mask": "bias", "sizes": "unequal"},
+        {"scheme": "ulysses", "mask": "key_padding", "causal": True},
+        {"scheme": "hybrid", "mask": "rows"},
     ],
-    ids=["ring_unequal", "ring_per_document", "ulysses", "hybrid", "hybrid_rearranged"],
+    ids=[
+        "ring_unequal",
+        "ring_per_document",
+        "ulysses",
+        "hybrid",
+        "hybrid_rearranged",
+        "ring_bias",
+        "ulysses_key_padding",
+        "hybrid_rows",
+    ],
 )
 def test_every_read_across_ranks_for_every_scheme(group, request, case):
     """Rows, a column, entropy, top-k, row max, max logits (per head over every rank's
@@ -216,7 +244,8 @@ def test_every_read_across_ranks_for_every_scheme(group, request, case):
 TRAFFIC = [
     ("ring", "dense"), ("ring", "unequal"), ("ring", "causal"), ("ring", "documents"),
     ("ulysses", "dense"), ("ulysses", "unequal"), ("hybrid", "dense"), ("hybrid", "causal"),
-    ("hybrid", "documents"),
+    ("hybrid", "documents"), ("ring", "key_padding"), ("ulysses", "key_padding"),
+    ("hybrid", "key_padding"),
 ]  # fmt: skip
 
 

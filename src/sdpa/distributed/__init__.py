@@ -17,6 +17,7 @@ from sdpa.distributed.layout import (
     shard,
     unshard,
 )
+from sdpa.distributed.local_masks import key_padding
 from sdpa.distributed.schemes import hybrid_attention, ring_attention, ulysses_attention
 from sdpa.distributed.weights import RingWeights
 
@@ -27,6 +28,7 @@ __all__ = [
     "RingWeights",
     "Traffic",
     "hybrid_attention",
+    "key_padding",
     "per_document",
     "positions",
     "rearranged",

@@ -31,7 +31,7 @@ from sdpa import masks
 HEADER_BYTES = 4096
 T = TypeVar("T")
 CONTROL = "control"  # headers: what every call sends besides its payload
-TAGS = {CONTROL: 1, "kv": 2, "grad": 3, "q": 4, "out": 5, "lse": 6, "reads": 7}
+TAGS = {CONTROL: 1, "kv": 2, "grad": 3, "q": 4, "out": 5, "lse": 6, "reads": 7, "mask": 8}
 AFTER_TIMEOUT = (
     "the process group cannot be used after this (an operation in flight cannot be "
     "cancelled): call torch.distributed.destroy_process_group() and start a new group"
@@ -72,7 +72,8 @@ class RingTimeoutError(RingError, TimeoutError):
 class Traffic:
     """Bytes this process sent through sdpa.distributed while it was active, by what
     they carried: "kv" (key/value shards), "grad" (gradients), "q", "out", "lse"
-    (Ulysses' all-to-alls), "reads" (the weights' reads), "control" (headers)."""
+    (Ulysses' all-to-alls), "mask" (tensor masks: key padding with the shards, rows in
+    Ulysses' all-to-all), "reads" (the weights' reads), "control" (headers)."""
 
     def __init__(self) -> None:
         self.sent: collections.Counter[str] = collections.Counter()

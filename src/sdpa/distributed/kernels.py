@@ -32,10 +32,12 @@ def forward(q, k, v, bias, causal: bool, scale: float):
     return out[..., :Ev], lse
 
 
-def backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float):
-    """(dq, dk, dv) of this block, from the global out and lse of rows q."""
-    if q.device.type != "cpu" or aten.CPU_FLASH_BACKWARD is None:
-        return _math_backward(dout, q, k, v, out, lse, bias, causal, scale)
+def backward(dout, q, k, v, out, lse, bias, causal: bool, scale: float, dbias=None):
+    """(dq, dk, dv) of this block, from the global out and lse of rows q. dbias: a
+    (B, Hq, r, c) tensor to receive the gradient of the scores as the bias meets them
+    (a float mask's gradient; the math kernel then runs, torch's fused one gives none)."""
+    if dbias is not None or q.device.type != "cpu" or aten.CPU_FLASH_BACKWARD is None:
+        return _math_backward(dout, q, k, v, out, lse, bias, causal, scale, dbias)
     E, Ev = q.shape[-1], v.shape[-1]
     D = max(E, Ev)
     dout, q, k, v, out = (aten.pad_to(t, D) for t in (dout, q, k, v, out))
@@ -71,7 +73,7 @@ def _math_forward(q, k, v, bias, causal, scale):
     return out, lse
 
 
-def _math_backward(dout, q, k, v, out, lse, bias, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, bias, causal, scale, dbias=None):
     group = q.shape[1] // k.shape[1]
     cd = lse.dtype
     kr = k.repeat_interleave(group, dim=1).to(cd)  # (B, Hq, c, D)
@@ -89,6 +91,8 @@ def _math_backward(dout, q, k, v, out, lse, bias, causal, scale):
         dp = torch.matmul(do, vr.mT)  # (B, Hq, n, c)
         delta = (do * out[:, :, rows].to(cd)).sum(dim=-1, keepdim=True)  # D = dO . O
         ds = tile.softmax_grad(p, p * dp, delta)[0]  # dS = P (dP - D)
+        if dbias is not None:  # the bias is added after the scale: its gradient is dS
+            dbias[:, :, rows] = ds
         ds = tile.raw_grad(ds, s, scoring)  # (scale only: no softcap reads s, now p)
         dq[:, :, rows] = torch.matmul(ds, kr)
         dk += torch.matmul(ds.mT, q[:, :, rows].to(cd))

@@ -24,14 +24,16 @@ FULL, EMPTY, DIAGONAL, OVERLAP = "full", "empty", "diagonal", "overlap"
 
 class Call(NamedTuple):
     """One kernel call: query rows `rows` of this shard against key columns `cols` of the
-    other; keep (Bm, r, c) bool where the mask applies (None: every key counts); causal:
-    top-left within the call; alive (Bm, r) bool where some key is kept (None: all)."""
+    other (global key positions `kpos`); keep (Bm, r, c) bool where the mask applies
+    (None: every key counts); causal: top-left within the call; alive (Bm, r) bool where
+    some key is kept (None: all)."""
 
     rows: slice
     cols: slice
     keep: torch.Tensor | None
     causal: bool
     alive: torch.Tensor | None
+    kpos: slice
 
 
 def relation(q: Run, k: Run, causal: bool) -> str:
@@ -62,7 +64,8 @@ def calls(
             if rel == EMPTY:
                 continue
             if mask is None and rel in (FULL, DIAGONAL):
-                yield Call(qr.rows, kr.rows, None, rel == DIAGONAL, None)
+                kpos = slice(kr.start, kr.start + kr.length)
+                yield Call(qr.rows, kr.rows, None, rel == DIAGONAL, None, kpos)
                 continue
             rule = mask if rel == FULL else top_left if mask is None else mask & top_left
             yield from _masked(qr, kr, rule, L, S, device)
@@ -98,10 +101,11 @@ def _masked(qr: Run, kr: Run, rule: masks.Mask, L: int, S: int, device) -> Itera
         keep = keep[:, :, c0:c1]
         rows = slice(qr.local + r0, qr.local + r1)
         cols = slice(kr.local + c0, kr.local + c1)
+        kpos = slice(kr.start + c0, kr.start + c1)
         if bool(keep.all()):
-            yield Call(rows, cols, None, False, None)
+            yield Call(rows, cols, None, False, None, kpos)
         else:
-            yield Call(rows, cols, keep, False, keep.any(dim=-1))
+            yield Call(rows, cols, keep, False, keep.any(dim=-1), kpos)
 
 
 def bias(keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

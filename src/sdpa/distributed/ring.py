@@ -68,12 +68,13 @@ def make_setup(ring, q_runs, k_runs, mask, causal, scale, L, S, device) -> Setup
     return Setup(ring, q_runs, k_runs, mask, causal, scale, L, S, rows)
 
 
-def _kv_step(setup: Setup, step: int, k, v, what: str):
-    """Start a step's key/value transfer: this rank's shard to the rank that needs it
-    at this step, the shard this rank needs into fresh buffers. Returns (buffers or
-    None, works)."""
+def _kv_step(setup: Setup, step: int, shard: tuple, what: str):
+    """Start a step's key/value transfer: this rank's shard (k, v and its key padding,
+    if any) to the rank that needs it at this step, the shard this rank needs into fresh
+    buffers. Returns (buffers or None, works)."""
     src, dst = setup.peers(step)
     me = setup.ring.rank
+    k, v, keys = shard
     sends = {dst: [k, v]} if setup.need[dst][me] else {}
     arriving = None
     if setup.need[me][src]:
@@ -81,18 +82,25 @@ def _kv_step(setup: Setup, step: int, k, v, what: str):
         arriving = (
             k.new_empty(*k.shape[:2], m, k.shape[3]),
             v.new_empty(*v.shape[:2], m, v.shape[3]),
+            None if keys is None else keys.new_empty(keys.shape[0], m),
         )
-    recvs = {src: list(arriving)} if arriving else {}
-    return arriving, setup.ring.start(sends, recvs, "kv")
+    recvs = {src: list(arriving[:2])} if arriving else {}
+    works = setup.ring.start(sends, recvs, "kv")
+    if keys is not None:  # (B, m) bool, as bytes
+        mask_sends = {p: [keys.view(torch.uint8)] for p in sends}
+        mask_recvs = {src: [arriving[2].view(torch.uint8)]} if arriving else {}
+        works += setup.ring.start(mask_sends, mask_recvs, "mask")
+    return arriving, works
 
 
-def _steps(setup: Setup, k, v, what: str):
-    """(step, src, the shard of src or None) for every step, each transfer overlapping
-    the step before it."""
+def _steps(setup: Setup, k, v, keys, what: str):
+    """(step, src, the shard of src (k, v, key padding) or None) for every step, each
+    transfer overlapping the step before it."""
     ring = setup.ring
-    current = (k, v) if setup.need[ring.rank][ring.rank] else None
+    own = (k.contiguous(), v.contiguous(), None if keys is None else keys.contiguous())
+    current = own if setup.need[ring.rank][ring.rank] else None
     for step in range(ring.world):
-        upcoming = _kv_step(setup, step + 1, k, v, what) if step + 1 < ring.world else None
+        upcoming = _kv_step(setup, step + 1, own, what) if step + 1 < ring.world else None
         yield step, setup.peers(step)[0], current
         if upcoming is not None:
             arriving, works = upcoming
@@ -100,38 +108,74 @@ def _steps(setup: Setup, k, v, what: str):
             current = arriving
 
 
-def ring_forward(setup: Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Hq, n, E), k (B, Hkv, m, E), v (B, Hkv, m, Ev) -> out (B, Hq, n, Ev),
-    lse (B, Hq, n)."""
+def _bias(c: plan.Call, rows: torch.Tensor | None, keys: torch.Tensor | None, dtype):
+    """A call's mask: (additive bias (..., r|1, c) or None, causal for the kernel, alive
+    (..., r|1) where some key is kept or None: c.alive holds). The structured keep, the
+    rows mask's block and the held shard's key padding meet by masks.combine; with a
+    tensor part, the kernel's causality is folded into the bias so that alive reads it."""
+    if rows is None and keys is None:
+        return plan.bias(c.keep, dtype), c.causal, None
+    tensor = (
+        None if rows is None else rows[:, :, c.rows if rows.shape[-2] > 1 else slice(None), c.kpos]
+    )
+    if tensor is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    if keys is not None:
+        tensor = masks.combine(tensor, keys[:, None, None, c.cols])  # (B, 1, 1, c)
+    if c.keep is not None:
+        tensor = masks.combine(tensor, c.keep[:, None])  # (Bm, 1, r, c)
+    if c.causal:
+        r, k = c.rows.stop - c.rows.start, c.cols.stop - c.cols.start
+        tensor = masks.combine(
+            tensor, torch.ones(r, k, dtype=torch.bool, device=tensor.device).tril()
+        )
+    bias = tile.additive(tensor, dtype)
+    return bias, False, (bias > -torch.inf).any(dim=-1)
+
+
+def _fold(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """grad (B, Hq, r, c) summed over the dims where `like` (Bm, Hm, r|1, c) broadcasts."""
+    dims = [d for d in range(3) if like.shape[d] == 1 and grad.shape[d] != 1]
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def ring_forward(setup: Setup, q, k, v, rows=None, keys=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Hq, n, E), k (B, Hkv, m, E), v (B, Hkv, m, Ev), rows mask (Bm, Hm, n|1, S)
+    or None, key padding (B, m) bool or None -> out (B, Hq, n, Ev), lse (B, Hq, n)."""
     cd = compute_dtype(q.dtype)
     acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=cd, device=q.device)  # (B, Hq, n, Ev)
     acc_lse = torch.full(q.shape[:-1], -torch.inf, dtype=cd, device=q.device)  # (B, Hq, n)
     qc = q.to(cd)  # 16-bit inputs: blocks in float32, so the merge adds no rounding
-    for _, src, shard in _steps(setup, k.contiguous(), v.contiguous(), "forward"):
+    for _, src, shard in _steps(setup, k, v, keys, "forward"):
         if shard is None:
             continue
-        kk, vv = (t.to(cd) for t in shard)  # (B, Hkv, m, E), (B, Hkv, m, Ev)
+        kk, vv = (t.to(cd) for t in shard[:2])  # (B, Hkv, m, E), (B, Hkv, m, Ev)
         for c in setup.calls(src, q.device):
+            bias, causal, alive = _bias(c, rows, shard[2], cd)
             out, lse = kernels.forward(
-                qc[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols],
-                plan.bias(c.keep, cd), c.causal, setup.scale,
-            )  # fmt: skip
-            lse = tile.unsettled(lse, c.alive)  # rows that saw no key here: -inf to merge
+                qc[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols], bias, causal, setup.scale
+            )
+            if alive is None:
+                lse = tile.unsettled(lse, c.alive)  # rows that saw no key here: -inf to merge
+            else:
+                lse = lse.masked_fill(~alive, -torch.inf)
             merged, new = tile.merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
             acc[:, :, c.rows], acc_lse[:, :, c.rows] = merged, new
     lse = tile.settle(acc_lse)  # rows that saw no key anywhere: lse 0
     return acc.to(q.dtype), lse
 
 
-def ring_backward(setup: Setup, q, k, v, out, lse, dout):
-    """The gradients of q, k and v. At each step this rank computes the gradient of the
-    shard it holds and sends it to the shard's owner (over the next step), and receives
-    its own shard's gradient from the rank that held it."""
+def ring_backward(setup: Setup, q, k, v, out, lse, dout, rows=None, keys=None, want=False):
+    """The gradients of q, k and v, and of the rows mask where `want` (else None). At
+    each step this rank computes the gradient of the shard it holds and sends it to the
+    shard's owner (over the next step), and receives its own shard's gradient from the
+    rank that held it."""
     ring, me = setup.ring, setup.ring.rank
     cd = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=cd, device=q.device)
     dk = torch.zeros(k.shape, dtype=cd, device=q.device)  # this rank's own shard's
     dv = torch.zeros(v.shape, dtype=cd, device=q.device)
+    drows = torch.zeros(rows.shape, dtype=cd, device=q.device) if want else None
     dout = dout.contiguous()
     in_flight: tuple[list, tuple | None] = ([], None)  # the last step's share transfer
 
@@ -142,10 +186,10 @@ def ring_backward(setup: Setup, q, k, v, out, lse, dout):
             dk.add_(got[0])
             dv.add_(got[1])
 
-    for step, src, shard in _steps(setup, k.contiguous(), v.contiguous(), "backward"):
+    for step, src, shard in _steps(setup, k, v, keys, "backward"):
         share = None
         if shard is not None:
-            kk, vv = shard
+            kk, vv = shard[:2]
             share = (
                 (dk, dv)
                 if step == 0
@@ -153,14 +197,22 @@ def ring_backward(setup: Setup, q, k, v, out, lse, dout):
             )
             for c in setup.calls(src, q.device):
                 r = c.rows
+                bias, causal, _ = _bias(c, rows, shard[2], q.dtype)
+                dbias = None
+                if drows is not None:
+                    dbias = q.new_empty(
+                        *q.shape[:2], r.stop - r.start, c.cols.stop - c.cols.start, dtype=cd
+                    )
                 gq, gk, gv = kernels.backward(
                     dout[:, :, r], q[:, :, r], kk[:, :, c.cols], vv[:, :, c.cols],
-                    out[:, :, r], lse[:, :, r].contiguous(),
-                    plan.bias(c.keep, q.dtype), c.causal, setup.scale,
+                    out[:, :, r], lse[:, :, r].contiguous(), bias, causal, setup.scale, dbias,
                 )  # fmt: skip
                 dq[:, :, r] += gq
                 share[0][:, :, c.cols] += gk
                 share[1][:, :, c.cols] += gv
+                if drows is not None:
+                    rr = r if rows.shape[-2] > 1 else slice(None)
+                    drows[:, :, rr, c.kpos] += _fold(dbias, rows)
         if step == 0:
             continue
         dst = setup.peers(step)[1]
@@ -173,20 +225,24 @@ def ring_backward(setup: Setup, q, k, v, out, lse, dout):
         land()
         in_flight = (works, coming)
     land()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return (*grads, None if drows is None else drows.to(rows.dtype))
 
 
 class RingFunction(torch.autograd.Function):
+    """(q, k, v, rows mask or None, key padding or None, setup) -> (out, lse)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, setup):
-        out, lse = ring_forward(setup, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, rows, keys, setup):
+        out, lse = ring_forward(setup, q, k, v, rows, keys)
+        ctx.save_for_backward(q, k, v, out, lse, rows, keys)
         ctx.setup = setup
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.setup, q, k, v, out, lse, dout)
-        return dq, dk, dv, None
+        q, k, v, out, lse, rows, keys = ctx.saved_tensors
+        want = ctx.needs_input_grad[3]  # a float rows mask's gradient
+        dq, dk, dv, drows = ring_backward(ctx.setup, q, k, v, out, lse, dout, rows, keys, want)
+        return dq, dk, dv, drows, None, None

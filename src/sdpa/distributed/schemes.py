@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from sdpa import masks
-from sdpa.distributed import heads
+from sdpa.distributed import heads, local_masks
 from sdpa.distributed.comm import (
     Ring,
     RingError,
@@ -29,6 +29,7 @@ from sdpa.distributed.comm import (
     valid_timeout,
 )
 from sdpa.distributed.layout import Run, check_layout, cut, describe
+from sdpa.distributed.local_masks import KeyPadding
 from sdpa.distributed.ring import RingFunction, make_setup
 from sdpa.distributed.weights import RingWeights
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError
@@ -51,15 +52,20 @@ def _check_call(query, key, value, mask, scale, layout, timeout, call: str):
             f"{call} does not run softcap or attention sinks yet, got {mask!r}; "
             f"use sdpa.attention on the gathered sequence"
         )
-    if mask is not None and not isinstance(mask, masks.Mask):
+    if not (mask is None or isinstance(mask, masks.Mask | torch.Tensor | KeyPadding)):
         raise SdpaTypeError(
-            f"{call} takes a structured mask (sdpa.masks: padding, documents, "
-            f"causal, sliding_window and their combinations), which every rank evaluates at "
-            f"its own positions; got {type(mask).__name__}. For key padding use "
-            f"sdpa.masks.padding(lengths)"
+            f"{call} takes a structured mask (sdpa.masks: padding, documents, causal, "
+            f"sliding_window and their combinations, which every rank evaluates at its own "
+            f"positions), a tensor of this rank's rows over every key, or "
+            f"sdpa.distributed.key_padding(keep) of this rank's keys; got "
+            f"{type(mask).__name__}"
         )
     layout = check_layout(layout)
     inputs = normalize(query, key, value, None, scale=scale)
+    local, described = local_masks.NONE, mask_digest(mask)
+    if isinstance(mask, torch.Tensor | KeyPadding):
+        n, m = query.shape[-2], key.shape[-2]
+        local, described = local_masks.check(mask, inputs.lead, n, m, query.device)
 
     def outer(t):  # a shape without the sequence dim: the ranks' shards may differ there
         return [*t.shape[:-2], t.shape[-1]]
@@ -72,9 +78,9 @@ def _check_call(query, key, value, mask, scale, layout, timeout, call: str):
         "device": query.device.type,
         "scale": inputs.scale,
         "layout": describe(layout),
-        "mask": mask_digest(mask),
+        "mask": described,
     }
-    return inputs, header
+    return (inputs, local), header
 
 
 def _check_whole(inputs, mask, causal: bool, L: int, S: int, has_heads: bool) -> None:
@@ -150,13 +156,16 @@ def _sharded(
         inputs, header = _check_call(query, key, value, mask, scale, layout, timeout, call)
         return inputs, {**header, "causal": bool(causal), "sizes": [query.shape[-2], key.shape[-2]]}
 
-    headers, within, inputs = _agree(group, ring, check, device, call)
+    headers, within, (inputs, local) = _agree(group, ring, check, device, call)
     U, R = group.world, ring.world
     sizes = [s for h in headers for s in h["sizes"]]  # every shard's (n, m), in sequence order
     q_runs = cut(layout, [n for n, _ in sizes], "query shards")  # the U * R shards'
     k_runs = cut(layout, [m for _, m in sizes], "key shards")
     L, S = sum(n for n, _ in sizes), sum(m for _, m in sizes)
-    _check_whole(inputs, mask, causal, L, S, max(t.ndim for t in (query, key, value)) >= 4)
+    has_heads = max(t.ndim for t in (query, key, value)) >= 4
+    structured = mask if isinstance(mask, masks.Mask) else None
+    _check_whole(inputs, structured, causal, L, S, has_heads)
+    local_masks.check_keys(local, S)
     q, k, v = inputs.query, inputs.key, inputs.value  # (B, Hq, n, E), (B, Hkv, m, E|Ev)
     _, repeat = heads.split(q.shape[1], k.shape[1], U)
     if repeat > 1:  # key/value heads that do not divide by U: whole GQA groups per member
@@ -164,23 +173,37 @@ def _sharded(
     n_of, m_of = [h["sizes"][0] for h in within], [h["sizes"][1] for h in within]
     qh = heads.to_heads(group, q, n_of, "q")  # (B, Hq / U, the group's rows, E)
     kh, vh = (heads.to_heads(group, t, m_of, "kv") for t in (k, v))
+    rows, keys = local.rows4(has_heads), local.keys  # (Bm, Hm, n|1, S), (B, m)
+    if U > 1 and rows is not None:  # every row of the group, this rank's heads
+        rows = rows.expand(rows.shape[0], q.shape[1], q.shape[2], S)
+        rows = heads.to_heads(
+            group, rows.view(torch.uint8) if rows.dtype == torch.bool else rows, n_of, "mask"
+        )
+        rows = rows.view(torch.bool) if local.rows.dtype == torch.bool else rows
+    if U > 1 and keys is not None:  # every key of the group: (B, U, m, 1) -> (B, 1, M, 1)
+        keys = keys.view(torch.uint8)[:, None, :, None].expand(-1, U, -1, -1)
+        keys = heads.to_heads(group, keys, m_of, "mask")[:, 0, :, 0].view(torch.bool)
     chunks = [slice(j * U, (j + 1) * U) for j in range(R)]
     setup = make_setup(
         ring, [_joined(q_runs[c]) for c in chunks], [_joined(k_runs[c]) for c in chunks],
-        mask, bool(causal), inputs.scale, L, S, q.device,
+        structured, bool(causal), inputs.scale, L, S, q.device,
     )  # fmt: skip
-    out, lse = RingFunction.apply(qh, kh, vh, setup)  # (B, Hq / U, rows, Ev), (B, Hq / U, rows)
+    out, lse = RingFunction.apply(
+        qh, kh, vh, rows, keys, setup
+    )  # (B, Hq / U, rows, Ev), (B, Hq / U, rows)
     out = heads.to_sequence(group, out, n_of, "out")  # (B, Hq, n, Ev)
     lse = heads.to_sequence(group, lse[..., None], n_of, "lse")[..., 0]  # (B, Hq, n)
     out = out.reshape(*inputs.lead, q.shape[2], v.shape[-1])  # (..., n, Ev)
     rule = masks.TOP_LEFT if causal else None
-    if mask is not None:
-        rule = mask if rule is None else mask & rule
+    if structured is not None:
+        rule = structured if rule is None else structured & rule
     if U == 1 or R == 1:
         readers = ring if U == 1 else group
     else:  # every shard's rank in sequence order, point to point on the default group
         readers = Ring(None, ring.timeout, [r for h in headers for r in h["ranks"]])
-    weights = RingWeights(readers, query, key, lse, inputs.lead, rule, inputs.scale, q_runs, k_runs)
+    weights = RingWeights(
+        readers, query, key, lse, inputs.lead, rule, inputs.scale, q_runs, k_runs, local
+    )
     return AttentionResult(out, weights)
 
 
@@ -198,7 +221,7 @@ def ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: masks.Mask | None = None,
+    mask: masks.Mask | torch.Tensor | KeyPadding | None = None,
     *,
     causal: bool = False,
     scale: float | None = None,
@@ -218,7 +241,10 @@ def ring_attention(
     layout: how the sequence was cut: "contiguous" (shards of any size), "zigzag"
     (equal shards, balancing causal work) or `per_document(lengths)`; see
     sdpa.distributed.shard. mask: a structured mask (sdpa.masks) over the whole
-    sequence's positions. causal: query i sees keys j <= i (global positions). A
+    sequence's positions; or a tensor of this rank's rows over every key (bool/int:
+    nonzero takes part; float: added to the scores, its gradient returned), broadcasting
+    to (..., n, S); or `key_padding(keep)`, (B, m) of this rank's keys, which travels with
+    the key/value shards. causal: query i sees keys j <= i (global positions). A
     collective: every rank of `group` calls it, and backward through the output is a
     collective too. Every wait ends after `timeout` seconds with RingTimeoutError;
     ranks that disagree, or a rank whose arguments are invalid, make every rank raise.
@@ -232,7 +258,7 @@ def ulysses_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: masks.Mask | None = None,
+    mask: masks.Mask | torch.Tensor | KeyPadding | None = None,
     *,
     causal: bool = False,
     scale: float | None = None,
@@ -255,7 +281,7 @@ def hybrid_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: masks.Mask | None = None,
+    mask: masks.Mask | torch.Tensor | KeyPadding | None = None,
     *,
     causal: bool = False,
     scale: float | None = None,

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from sdpa import masks
 from sdpa.budget import DEFAULT_MAX_BYTES
+from sdpa.distributed import local_masks
 from sdpa.distributed.comm import AFTER_TIMEOUT, Ring, RingError, RingTimeoutError, _count
 from sdpa.distributed.layout import Run, index
 from sdpa.errors import SdpaTypeError, SdpaValueError
@@ -163,14 +164,16 @@ class RingWeights:
         scale,
         q_runs: list[list[Run]],
         k_runs: list[list[Run]],
+        local: local_masks.Local = local_masks.NONE,
     ):
         """query, key: this rank's shards as given; lse (B, Hq, n); q_runs, k_runs:
-        every rank's runs of query and key positions."""
+        every rank's runs of query and key positions; local: the call's tensor masks."""
         self._ring, self._query, self._key = ring, query, key
         self._lse = lse.detach()  # (B, Hq, n)
         self._rule, self._scale = rule, scale
         self._q_runs, self._k_runs = q_runs, k_runs
-        self._versions = (version_of(query), version_of(key))
+        self._local_masks = local
+        self._versions = self._versions_now()
         n = query.shape[-2]
         self._n = n
         self._L = sum(r.length for rs in q_runs for r in rs)
@@ -202,18 +205,25 @@ class RingWeights:
         r = self._ring
         return f"RingWeights(shape={tuple(self.shape)}, rank={r.rank} of {r.world}, lazy)"
 
+    def _versions_now(self) -> tuple:
+        local = self._local_masks
+        tensors = (self._query, self._key, local.rows, local.keys)
+        return tuple(None if t is None else version_of(t) for t in tensors)
+
     def _check_fresh(self) -> None:
-        if (version_of(self._query), version_of(self._key)) != self._versions:
+        if self._versions_now() != self._versions:
             raise StaleWeightsError(
-                "the query or key shard changed in place after the attention call, so these "
-                "weights would describe other inputs; read them before the update"
+                "the query or key shard (or the mask) changed in place after the attention "
+                "call, so these weights would describe other inputs; read them before the "
+                "update"
             )
 
     def _wants_grad(self) -> list[str]:
         """The shards a read must carry gradients to now ([] with grad off)."""
         if not torch.is_grad_enabled():
             return []
-        return [n for n, t in (("query", self._query), ("key", self._key)) if t.requires_grad]
+        said = [n for n, t in (("query", self._query), ("key", self._key)) if t.requires_grad]
+        return said + (["mask"] if self._local_masks.wants_grad else [])
 
     def _ask(self, question: str, dim: int | None = None) -> None:
         """Agree with every rank on the question (and on which shards it carries
@@ -258,10 +268,19 @@ class RingWeights:
         else:
             query = self._query.detach()
             keys = gather(ring, self._key.detach(), self._k_runs, -2)
-        mask = None
+        structured = None
         if self._rule is not None:
             pos = index(self._q_runs[ring.rank]).to(self.device)
-            mask = _Rows(self._rule, pos, self._L)
+            structured = _Rows(self._rule, pos, self._L)
+        tensor, local = None, self._local_masks
+        if local.rows is not None:  # this rank's rows over every key, as given
+            tensor = local.rows if self._wants_grad() else local.rows.detach()
+        if local.keys is not None:  # every rank's key padding, (B, S) -> (B, 1, 1, S)
+            every = gather(ring, local.keys.view(torch.uint8), self._k_runs, -1)
+            every = every.view(torch.bool)
+            has_heads = self._query.ndim >= 4
+            tensor = every[:, None, None] if has_heads else every[:, None]
+        mask = masks.join(tensor, structured)
         inputs = normalize(query, keys, keys.detach(), mask, scale=self._scale)
         return AttentionWeights(inputs, self._lse)
 
