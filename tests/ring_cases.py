@@ -386,6 +386,35 @@ def disagree(rank, world, *, what):
     return None
 
 
+def qk_clip(rank, world, *, seed):
+    """Two data-parallel replicas (the hybrid grid's ring groups, each its own sequence)
+    run ring attention over their ring group; max_logits(group=the Ulysses group, which
+    joins the replicas) gives every rank the per-head maximum over both sequences:
+    (error of this rank's rows, error of the head maximum) against the float64 scores."""
+    R = world // U
+    replica = rank // R  # = this rank's index in its Ulysses group
+    seqs = [_inputs(seed + r, 1, 4, 2, 8 * R, 8 * R, 8, 8, torch.float32) for r in range(U)]
+    q, k, v, _ = seqs[replica]
+    j = rank % R
+    w = sd.ring_attention(
+        *(sd.shard(t, j, R) for t in (q, k, v)), causal=True, group=GROUPS["ring"], timeout=60
+    ).weights
+    top = w.max_logits(group=GROUPS["ulysses"])
+    mine = _scores64(q, k, None, True).amax(-1)[:, :, sd.positions(8, j, R)]
+    heads = torch.stack([_scores64(a, b, None, True).amax((-1, -2)) for a, b, *_ in seqs])
+    return _max_err(top.row, mine), _max_err(top.head, heads.amax(0))
+
+
+def lonely_read(rank, world, *, timeout):
+    """Only the last rank reads the weights: its error (the others return None)."""
+    q = torch.randn(1, 2, 8, 4)
+    w = sd.ring_attention(q, q, q, timeout=timeout).weights
+    if rank != world - 1:
+        time.sleep(timeout + 2)
+        return None
+    return _said(w.entropy)
+
+
 def _said(f):
     try:
         f()
@@ -511,6 +540,8 @@ def absent(rank, world, *, timeout):
 
 
 CASES = {
+    "qk_clip": qk_clip,
+    "lonely_read": lonely_read,
     "traffic": traffic,
     "compare": compare,
     "weights": weights,

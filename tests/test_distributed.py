@@ -302,6 +302,27 @@ def test_a_rank_with_bad_arguments_makes_every_rank_raise(group, what, error):
         assert message.startswith("RingError") and f"rank {world - 1} failed: {kind}" in message
 
 
+def test_qk_clip_max_logits_reduce_over_a_data_parallel_group(group, request):
+    """Each replica's ring gives its rows' maxima; max_logits(group=...) takes the
+    per-head maximum over the replicas too (a local maximum would clip each replica by
+    another value)."""
+    _scheme_runs(group, {"scheme": "hybrid"})
+    for row, head in _ok(group("qk_clip", seed=_seed(request))):
+        assert row <= 5e-6 and head <= 5e-6, (row, head)
+
+
+def test_a_read_made_on_one_rank_only_times_out_naming_the_read():
+    run, stop = ring_cases.spawn(2)
+    try:
+        first, last = _ok(run("lonely_read", wait=60, timeout=2.0))
+    finally:
+        stop()
+    assert first is None
+    assert last.startswith("RingTimeoutError"), last
+    assert "not every rank reached the ring weights' entropy" in last, last
+    assert "destroy_process_group()" in last
+
+
 def test_heads_that_do_not_split_across_the_group_are_refused_by_every_rank(group):
     for message in _ok(group("disagree", what="heads")):
         assert message.startswith("SdpaValueError"), message
