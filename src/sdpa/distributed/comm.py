@@ -142,6 +142,11 @@ class Ring:
         self.prev = (self.rank - 1) % self.world
         self.timeout = timeout
 
+    @property
+    def ranks(self) -> list[int]:
+        """The global ranks of the list, in its order."""
+        return list(self._global)
+
     def _wait(self, works, what: Callable[[], str]) -> None:
         try:
             for w in works:

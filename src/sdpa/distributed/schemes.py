@@ -109,7 +109,7 @@ def _agree(group: Ring, ring: Ring, check, device, call: str):
     failed = next((f"rank {r}: {h['error']}" for r, h in enumerate(within) if "error" in h), None)
     if error is None and failed is None:
         shared = {k: v for k, v in header.items() if k != "sizes"}
-        across = {**shared, "sizes": [h["sizes"] for h in within], "ranks": group._global,
+        across = {**shared, "sizes": [h["sizes"] for h in within], "ranks": group.ranks,
                   "member": group.rank}  # fmt: skip
     else:
         across = {"error": f"in a Ulysses group, {failed}" if error is None else header["error"]}
@@ -118,9 +118,16 @@ def _agree(group: Ring, ring: Ring, check, device, call: str):
         raise error
     raise_failed(within, group.rank)
     raise_failed(headers, ring.rank)
+    places = [h["member"] for h in headers]
+    if len(set(places)) > 1:
+        raise RingError(
+            f"rank {ring.rank}: the ring group joins ranks of different places in their "
+            f"Ulysses groups ({places}); each ring group holds the ranks of one place, so "
+            f"that they hold the same heads"
+        )
     for hs, me in ((within, group.rank), (headers, ring.rank)):
         check_agreement(
-            [{k: v for k, v in h.items() if k not in ("sizes", "ranks")} for h in hs],
+            [{k: v for k, v in h.items() if k not in ("sizes", "ranks", "member")} for h in hs],
             me,
             call,
             HINT,
@@ -173,24 +180,13 @@ def _sharded(
     n_of, m_of = [h["sizes"][0] for h in within], [h["sizes"][1] for h in within]
     qh = heads.to_heads(group, q, n_of, "q")  # (B, Hq / U, the group's rows, E)
     kh, vh = (heads.to_heads(group, t, m_of, "kv") for t in (k, v))
-    rows, keys = local.rows4(has_heads), local.keys  # (Bm, Hm, n|1, S), (B, m)
-    if U > 1 and rows is not None:  # every row of the group, this rank's heads
-        rows = rows.expand(rows.shape[0], q.shape[1], q.shape[2], S)
-        rows = heads.to_heads(
-            group, rows.view(torch.uint8) if rows.dtype == torch.bool else rows, n_of, "mask"
-        )
-        rows = rows.view(torch.bool) if local.rows.dtype == torch.bool else rows
-    if U > 1 and keys is not None:  # every key of the group: (B, U, m, 1) -> (B, 1, M, 1)
-        keys = keys.view(torch.uint8)[:, None, :, None].expand(-1, U, -1, -1)
-        keys = heads.to_heads(group, keys, m_of, "mask")[:, 0, :, 0].view(torch.bool)
+    rows, keys = _masks_to_heads(group, local, has_heads, q.shape, S, n_of, m_of)
     chunks = [slice(j * U, (j + 1) * U) for j in range(R)]
     setup = make_setup(
         ring, [_joined(q_runs[c]) for c in chunks], [_joined(k_runs[c]) for c in chunks],
         structured, bool(causal), inputs.scale, L, S, q.device,
     )  # fmt: skip
-    out, lse = RingFunction.apply(
-        qh, kh, vh, rows, keys, setup
-    )  # (B, Hq / U, rows, Ev), (B, Hq / U, rows)
+    out, lse = RingFunction.apply(qh, kh, vh, rows, keys, setup)  # (B, Hq/U, N, Ev), (B, Hq/U, N)
     out = heads.to_sequence(group, out, n_of, "out")  # (B, Hq, n, Ev)
     lse = heads.to_sequence(group, lse[..., None], n_of, "lse")[..., 0]  # (B, Hq, n)
     out = out.reshape(*inputs.lead, q.shape[2], v.shape[-1])  # (..., n, Ev)
@@ -205,6 +201,23 @@ def _sharded(
         readers, query, key, lse, inputs.lead, rule, inputs.scale, q_runs, k_runs, local
     )
     return AttentionResult(out, weights)
+
+
+def _masks_to_heads(group: Ring, local, has_heads: bool, q_shape, S: int, n_of, m_of):
+    """A call's tensor masks as the ring takes them: rows (Bm, Hm, n|1, S) and key
+    padding (B, m) of this rank; under Ulysses (U > 1) every row of the group at this
+    rank's heads, (Bm, Hq / U, N, S), and every key's padding, (B, M)."""
+    rows, keys = local.rows4(has_heads), local.keys
+    U = group.world
+    if U > 1 and rows is not None:
+        rows = rows.expand(rows.shape[0], q_shape[1], q_shape[2], S)
+        bits = rows.dtype == torch.bool  # sent as bytes
+        rows = heads.to_heads(group, rows.view(torch.uint8) if bits else rows, n_of, "mask")
+        rows = rows.view(torch.bool) if bits else rows
+    if U > 1 and keys is not None:  # (B, U, m, 1) -> (B, 1, M, 1)
+        keys = keys.view(torch.uint8)[:, None, :, None].expand(-1, U, -1, -1)
+        keys = heads.to_heads(group, keys, m_of, "mask")[:, 0, :, 0].view(torch.bool)
+    return rows, keys
 
 
 def _alone(timeout: float) -> Ring:
