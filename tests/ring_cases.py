@@ -58,6 +58,11 @@ def _grid(rank: int, world: int) -> dict:
         g = dist.new_group([u * R + j for j in range(R)])
         if rank // R == u:
             groups["ring"] = g
+    if world == 4:  # ring groups that join different places of the Ulysses groups
+        for members in ([0, 3], [1, 2]):
+            g = dist.new_group(members)
+            if rank in members:
+                groups["mixed_ring"] = g
     return {**groups, "place": (rank % R) * U + rank // R}
 
 
@@ -372,6 +377,11 @@ def disagree(rank, world, *, what):
     call = sd.ring_attention
     if what == "heads":  # 5 query heads do not split across the group
         q, call = torch.randn(1, 5, 8, 4), sd.ulysses_attention
+    if what == "mixed_ring":  # the hybrid with a ring group across Ulysses places
+        return _said(lambda: sd.hybrid_attention(
+            q, q, q, ulysses_group=GROUPS["ulysses"], ring_group=GROUPS["mixed_ring"],
+            timeout=timeout,
+        ))  # fmt: skip
     if what == "zigzag_sizes":  # shards of unequal sizes cannot be zigzag
         q = torch.randn(1, 2, 8 if rank else 6, 4)
         return _said(lambda: sd.ring_attention(q, q, q, layout="zigzag", timeout=timeout))

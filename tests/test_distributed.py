@@ -329,6 +329,14 @@ def test_heads_that_do_not_split_across_the_group_are_refused_by_every_rank(grou
         assert f"5 query heads do not divide by {group.world}" in message
 
 
+def test_a_hybrid_ring_group_across_ulysses_places_is_refused_by_every_rank(group):
+    _scheme_runs(group, {"scheme": "hybrid"})
+    if group.world != 4:
+        pytest.skip("the mixed ring groups are made on 4 ranks")
+    for message in _ok(group("disagree", what="mixed_ring")):
+        assert message.startswith("RingError") and "different places" in message, message
+
+
 def test_zigzag_refuses_unequal_shards_on_every_rank(group):
     for message in _ok(group("disagree", what="zigzag_sizes")):
         assert message.startswith("SdpaValueError") and "equal, even shards" in message
