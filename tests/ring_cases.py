@@ -415,6 +415,18 @@ def qk_clip(rank, world, *, seed):
     return _max_err(top.row, mine), _max_err(top.head, heads.amax(0))
 
 
+def local_only(rank, world):
+    """What a rank may do with its weights alone (it never waits for the others): repr,
+    print, shape, dtype, device; numpy() and np.asarray refuse, naming the collective."""
+    import numpy as np
+
+    w = sd.ring_attention(*(torch.randn(1, 2, 3 + rank, 4) for _ in range(3)), timeout=5).weights
+    said = [repr(w), str(w), tuple(w.shape), str(w.dtype), str(w.device)]
+    for convert in (w.numpy, lambda: np.asarray(w), lambda: list(w)):
+        said.append(_said(convert))
+    return said
+
+
 def lonely_read(rank, world, *, timeout):
     """Only the last rank reads the weights: its error (the others return None)."""
     q = torch.randn(1, 2, 8, 4)
@@ -552,6 +564,7 @@ def absent(rank, world, *, timeout):
 CASES = {
     "qk_clip": qk_clip,
     "lonely_read": lonely_read,
+    "local_only": local_only,
     "traffic": traffic,
     "compare": compare,
     "weights": weights,

@@ -323,6 +323,21 @@ def test_a_read_made_on_one_rank_only_times_out_naming_the_read():
     assert "destroy_process_group()" in last
 
 
+def test_repr_print_and_metadata_never_communicate_and_numpy_refuses(group):
+    """Each rank does these alone (a collective among them would time out, 5 s); the
+    conversions that would need every rank's keys refuse, naming w.full()."""
+    for rank, said in enumerate(_ok(group("local_only"))):
+        n, S = 3 + rank, sum(3 + r for r in range(group.world))
+        assert (
+            said[0]
+            == said[1]
+            == f"RingWeights(shape=(1, 2, {n}, {S}), rank={rank} of {group.world}, lazy)"
+        )
+        assert said[2:5] == [(1, 2, n, S), "torch.float32", "cpu"]
+        for message in said[5:]:
+            assert message.startswith("TypeError") and "collective" in message, message
+
+
 def test_heads_that_do_not_split_across_the_group_are_refused_by_every_rank(group):
     for message in _ok(group("disagree", what="heads")):
         assert message.startswith("SdpaValueError"), message

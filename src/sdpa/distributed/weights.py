@@ -205,6 +205,21 @@ class RingWeights:
         r = self._ring
         return f"RingWeights(shape={tuple(self.shape)}, rank={r.rank} of {r.world}, lazy)"
 
+    def numpy(self, *args: object, **kwargs: object):
+        raise TypeError(
+            "RingWeights are this rank's rows over keys held by every rank, so converting "
+            "them is a collective: call w.full() on every rank (a (..., n, S) tensor), "
+            "then .numpy()"
+        )
+
+    __array__ = numpy
+
+    def __iter__(self):
+        raise TypeError(
+            "RingWeights cannot be iterated: each read is a collective (w[i], w.full() on "
+            "every rank)"
+        )
+
     def _versions_now(self) -> tuple:
         local = self._local_masks
         tensors = (self._query, self._key, local.rows, local.keys)
