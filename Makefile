@@ -142,7 +142,8 @@ bench: $(VENV)/.dev $(KVENV)/.kvpress
 	$(PY) benchmarks/bench_score_mods.py --json benchmarks/results/score_mods.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_hf.py --json benchmarks/results/hf.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_decode.py --json benchmarks/results/decode.json
-	$(PY) benchmarks/bench_ring.py --json benchmarks/results/ring.json
+	$(PY) benchmarks/bench_ring.py --schemes ring --heads 4 --json benchmarks/results/ring.json
+	$(PY) benchmarks/bench_ring.py --length 16384 --ranks 8 --json benchmarks/results/ring_schemes.json
 	$(PY) benchmarks/bench_diffusers.py --json benchmarks/results/diffusers.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_view.py --json benchmarks/results/view.json
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_interp.py --json benchmarks/results/interp.json

@@ -65,24 +65,34 @@ def _check_import(tree: Path) -> None:
 
 
 # bench_ring is not built on sdpa.benchmark: its rows are (impl, mode, ranks, seconds),
-# every run measures its ranks' memory, and it takes no --quick; a case is "MODE, R ranks",
-# its ratio ring_attention's seconds over the whole sequence's on one process in the same
-# mode (its peer, the row with impl WHOLE). Its --only is a mode or a whole case id, run
-# as the benchmark's own --modes (and --ranks): the other cases are not measured at all.
+# every run measures its ranks' memory, and it takes no --quick; a case is "MODE, R ranks"
+# (ring_attention) or "MODE, R ranks, SCHEME" (its other schemes: ulysses, hybrid), its
+# ratio the scheme's seconds over the whole sequence's on one process in the same mode
+# (its peer, the row with impl WHOLE). Its --only is a mode or a whole case id, run as the
+# benchmark's own --modes (and --ranks, --schemes): the other cases are not measured.
 RING = "bench_ring"
 WHOLE = "sdpa.attention (whole sequence)"
 
 
 def _ring_selection(only: str) -> list[str]:
-    """bench_ring's arguments for --only: "MODE" or "MODE, R ranks"."""
-    mode, _, ranks = only.partition(", ")
+    """bench_ring's arguments for --only: "MODE", "MODE, R ranks" or "MODE, R ranks, SCHEME"."""
+    mode, _, rest = only.partition(", ")
+    ranks, _, scheme = rest.partition(", ")
     count = ranks.removesuffix(" ranks")
-    if not mode or (ranks and not (ranks.endswith(" ranks") and count.isdigit())):
+    if (
+        not mode
+        or (ranks and not (ranks.endswith(" ranks") and count.isdigit()))
+        or (scheme and not (ranks and scheme.isidentifier()))
+    ):
         raise RunError(
             f"{RING} --only takes a mode or a case id such as 'causal zigzag, 2 ranks', "
             f"not {only!r}"
         )
-    return ["--modes", mode] + (["--ranks", count] if ranks else [])
+    return (
+        ["--modes", mode]
+        + (["--ranks", count] if ranks else [])
+        + (["--schemes", scheme] if scheme else [])
+    )
 
 
 def _ring_ratios(results: object) -> list[dict] | None:
@@ -95,7 +105,8 @@ def _ring_ratios(results: object) -> list[dict] | None:
     whole = {r["mode"]: r["seconds"] for r in results if r["impl"] == WHOLE}
     return [
         {
-            "case": f"{r['mode']}, {r['ranks']} ranks",
+            "case": f"{r['mode']}, {r['ranks']} ranks"
+            + ("" if r.get("scheme", "ring") in ("ring", None) else f", {r['scheme']}"),
             "peer": WHOLE,
             "ratio": r["seconds"] / whole[r["mode"]],
         }

@@ -158,10 +158,16 @@ def distill(results: Path) -> str:
     return table + "\n\n" + _source("distill.json", data["environment"])
 
 
-def ring(results: Path) -> str:
-    data = _load(results, "ring.json")
-    table = _benchmark("bench_ring").markdown(data["results"])
-    return table + "\n\n" + _source("ring.json", data["environment"])
+def ring(name: str) -> Table:
+    """bench_ring's table of results/`name` (ring.json: the ring alone; ring_schemes.json:
+    the ring, Ulysses and the hybrid)."""
+
+    def table(results: Path) -> str:
+        data = _load(results, name)
+        rows = _benchmark("bench_ring").markdown(data["results"])
+        return rows + "\n\n" + _source(name, data["environment"])
+
+    return table
 
 
 def view(results: Path) -> str:
@@ -270,7 +276,8 @@ TABLES: dict[str, Table] = {
     "distill": distill,
     "rollout": comparisons("rollout.json"),
     "kvpress": kvpress,
-    "ring": ring,
+    "ring": ring("ring.json"),
+    "ring-schemes": ring("ring_schemes.json"),
     "view": view,
     "model-zoo": model_zoo,
     "gpu-forward": gpu_forward,

@@ -22,7 +22,8 @@ Where a new test goes:
   test_diffusers.py, test_diffusion_maps.py, test_prompt2prompt.py,
   test_attend_excite.py, test_transformer_lens.py, test_nnsight.py, test_edits.py,
   test_heads.py, test_viewers.py; modules: test_multihead.py, test_positional.py,
-  test_spatial.py; ring attention: test_distributed.py.
+  test_spatial.py; ring attention: test_distributed.py (its schemes at 8 processes,
+  marked `slow`, run only by `pytest -m slow`: test_ring_slow.py).
 - the command and the viewer: test_cli.py, test_view.py, test_view_load.py,
   test_view_browser.py; docs and packaging: test_docs.py, test_docs_blocks.py,
   test_layout_map.py, test_packaging.py.
@@ -118,6 +119,11 @@ def make_inputs(
 
 
 def pytest_collection_modifyitems(config, items):
+    if "slow" not in (config.getoption("markexpr") or ""):  # run only when -m selects them
+        slow = pytest.mark.skip(reason="slow: run with pytest -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -157,6 +157,28 @@ def test_the_ring_benchmark_only_runs_the_selected_mode_and_ranks(ab):
             ab._ring_selection(bad)
 
 
+def test_the_ring_benchmark_schemes_are_cases_of_their_own(ab):
+    """bench_ring's other schemes at the same mode and ranks are cases apart (the ring's
+    keep their ids), and --only on one of them selects its scheme."""
+    rows = [
+        {"impl": ab.WHOLE, "scheme": None, "mode": "dense", "ranks": 1, "seconds": 10.0},
+        {"impl": "ring_attention", "scheme": "ring", "mode": "dense", "ranks": 8, "seconds": 12.0},
+        {"impl": "ulysses_attention", "scheme": "ulysses", "mode": "dense", "ranks": 8,
+         "seconds": 11.0},
+        {"impl": "hybrid_attention", "scheme": "hybrid", "mode": "dense", "ranks": 8,
+         "seconds": 13.0},
+    ]  # fmt: skip
+    got = {r["case"]: r["ratio"] for r in ab._ring_ratios(rows)}
+    assert got == {"dense, 8 ranks": 1.2, "dense, 8 ranks, ulysses": 1.1,
+                   "dense, 8 ranks, hybrid": 1.3}  # fmt: skip
+    assert ab._ring_selection("dense, 8 ranks, hybrid") == [
+        "--modes", "dense", "--ranks", "8", "--schemes", "hybrid"
+    ]  # fmt: skip
+    for bad in ("dense, 8 ranks, two words", "dense, , hybrid"):
+        with pytest.raises(ab.RunError, match="a mode or a case id"):
+            ab._ring_selection(bad)
+
+
 def test_the_run_command_passes_only_quick_and_reps_on(ab):
     """What a run is started with: the benchmark's own --only, --quick and --reps, memory
     never measured; bench_ring takes a selection of its modes and refuses the others."""
