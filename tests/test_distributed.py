@@ -492,7 +492,9 @@ def test_unequal_contiguous_shards_round_trip_and_refuse_wrong_sizes():
 def test_shard_refuses_uneven_lengths_and_unknown_layouts():
     with pytest.raises(ValueError, match="does not cut into 6 equal chunks"):
         sd.shard(torch.zeros(1, 10, 2), 0, 3, layout="zigzag")
-    with pytest.raises(ValueError, match="layout must be 'contiguous', 'zigzag' or"):
+    with pytest.raises(
+        ValueError, match=r"layout must be 'contiguous', 'zigzag', sdpa\.distributed\.per_document"
+    ):
         sd.shard(torch.zeros(1, 12, 2), 0, 3, layout="striped")
     with pytest.raises(ValueError, match="rank must be in"):
         sd.shard(torch.zeros(1, 12, 2), 3, 3)

@@ -147,22 +147,26 @@ def ring_forward(setup: Setup, q, k, v, rows=None, keys=None) -> tuple[torch.Ten
     acc_lse = torch.full(q.shape[:-1], -torch.inf, dtype=cd, device=q.device)  # (B, Hq, n)
     qc = q.to(cd)  # 16-bit inputs: blocks in float32, so the merge adds no rounding
     for _, src, shard in _steps(setup, k, v, keys, "forward"):
-        if shard is None:
-            continue
-        kk, vv = (t.to(cd) for t in shard[:2])  # (B, Hkv, m, E), (B, Hkv, m, Ev)
-        for c in setup.calls(src, q.device):
-            bias, causal, alive = _bias(c, rows, shard[2], cd)
-            out, lse = kernels.forward(
-                qc[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols], bias, causal, setup.scale
-            )
-            if alive is None:
-                lse = tile.unsettled(lse, c.alive)  # rows that saw no key here: -inf to merge
-            else:
-                lse = lse.masked_fill(~alive, -torch.inf)
-            merged, new = tile.merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
-            acc[:, :, c.rows], acc_lse[:, :, c.rows] = merged, new
+        if shard is not None:
+            _attend(setup, src, shard, qc, acc, acc_lse, rows)
+        del shard  # before the next step's buffers are made: two shards in memory, not three
     lse = tile.settle(acc_lse)  # rows that saw no key anywhere: lse 0
     return acc.to(q.dtype), lse
+
+
+def _attend(setup: Setup, src: int, shard: tuple, qc, acc, acc_lse, rows) -> None:
+    """Fold the attention of this rank's rows over src's shard into acc, acc_lse."""
+    cd = qc.dtype
+    kk, vv = (t.to(cd) for t in shard[:2])  # (B, Hkv, m, E), (B, Hkv, m, Ev)
+    for c in setup.calls(src, qc.device):
+        bias, causal, alive = _bias(c, rows, shard[2], cd)
+        out, lse = kernels.forward(
+            qc[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols], bias, causal, setup.scale
+        )
+        # rows that saw no key here: -inf to merge
+        lse = tile.unsettled(lse, c.alive) if alive is None else lse.masked_fill(~alive, -torch.inf)
+        merged, new = tile.merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
+        acc[:, :, c.rows], acc_lse[:, :, c.rows] = merged, new
 
 
 def ring_backward(setup: Setup, q, k, v, out, lse, dout, rows=None, keys=None, want=False):
@@ -189,30 +193,11 @@ def ring_backward(setup: Setup, q, k, v, out, lse, dout, rows=None, keys=None, w
     for step, src, shard in _steps(setup, k, v, keys, "backward"):
         share = None
         if shard is not None:
-            kk, vv = shard[:2]
             share = (
-                (dk, dv)
-                if step == 0
-                else (kk.new_zeros(kk.shape, dtype=cd), vv.new_zeros(vv.shape, dtype=cd))
+                (dk, dv) if step == 0 else tuple(t.new_zeros(t.shape, dtype=cd) for t in shard[:2])
             )
-            for c in setup.calls(src, q.device):
-                r = c.rows
-                bias, causal, _ = _bias(c, rows, shard[2], q.dtype)
-                dbias = None
-                if drows is not None:
-                    dbias = q.new_empty(
-                        *q.shape[:2], r.stop - r.start, c.cols.stop - c.cols.start, dtype=cd
-                    )
-                gq, gk, gv = kernels.backward(
-                    dout[:, :, r], q[:, :, r], kk[:, :, c.cols], vv[:, :, c.cols],
-                    out[:, :, r], lse[:, :, r].contiguous(), bias, causal, setup.scale, dbias,
-                )  # fmt: skip
-                dq[:, :, r] += gq
-                share[0][:, :, c.cols] += gk
-                share[1][:, :, c.cols] += gv
-                if drows is not None:
-                    rr = r if rows.shape[-2] > 1 else slice(None)
-                    drows[:, :, rr, c.kpos] += _fold(dbias, rows)
+            _differentiate(setup, src, shard, share, q, out, lse, dout, dq, rows, drows)
+        del shard  # before the next step's buffers are made
         if step == 0:
             continue
         dst = setup.peers(step)[1]
@@ -227,6 +212,31 @@ def ring_backward(setup: Setup, q, k, v, out, lse, dout, rows=None, keys=None, w
     land()
     grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     return (*grads, None if drows is None else drows.to(rows.dtype))
+
+
+def _differentiate(setup, src, shard, share, q, out, lse, dout, dq, rows, drows) -> None:
+    """Add this rank's rows' share of the gradients over src's shard: into dq, the
+    shard's (dk, dv) `share`, and drows (a float rows mask's, or None)."""
+    cd = dq.dtype
+    kk, vv = shard[:2]
+    for c in setup.calls(src, q.device):
+        r = c.rows
+        bias, causal, _ = _bias(c, rows, shard[2], q.dtype)
+        dbias = None
+        if drows is not None:
+            dbias = q.new_empty(
+                *q.shape[:2], r.stop - r.start, c.cols.stop - c.cols.start, dtype=cd
+            )
+        gq, gk, gv = kernels.backward(
+            dout[:, :, r], q[:, :, r], kk[:, :, c.cols], vv[:, :, c.cols],
+            out[:, :, r], lse[:, :, r].contiguous(), bias, causal, setup.scale, dbias,
+        )  # fmt: skip
+        dq[:, :, r] += gq
+        share[0][:, :, c.cols] += gk
+        share[1][:, :, c.cols] += gv
+        if drows is not None:
+            rr = r if rows.shape[-2] > 1 else slice(None)
+            drows[:, :, rr, c.kpos] += _fold(dbias, rows)
 
 
 class RingFunction(torch.autograd.Function):
