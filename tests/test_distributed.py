@@ -472,6 +472,8 @@ def test_per_document_is_head_tail_inside_every_document():
     assert torch.equal(sd.unshard(pieces, layout=layout), x)
     with pytest.raises(ValueError, match=r"documents of length \[6\] do not cut into 4"):
         sd.shard(torch.zeros(1, 14, 2), 0, 2, layout=sd.per_document([8, 6]))
+    with pytest.raises(TypeError, match="one list of document lengths"):
+        sd.per_document(torch.tensor([[4, 4], [2, 6]]))  # per batch row: not one layout
 
 
 def test_unequal_contiguous_shards_round_trip_and_refuse_wrong_sizes():

@@ -388,9 +388,12 @@ def zero_dead(
 
 
 def unsettled(lse: torch.Tensor, alive: torch.Tensor | None) -> torch.Tensor:
-    """A part's LSE (..., n) as `merge` takes it: -inf for the rows that saw no key in
-    it (alive (B|1, n) False: a kernel gives them 0, the convention's settled value)."""
-    return lse if alive is None else lse.masked_fill(~alive[:, None], -torch.inf)
+    """A part's LSE (B, H, n) as `merge` takes it: -inf for the rows that saw no key in
+    it (alive (B|1, n) or (B|1, H|1, n|1) False: a kernel gives them 0, the convention's
+    settled value)."""
+    if alive is None:
+        return lse
+    return lse.masked_fill(~(alive[:, None] if alive.ndim < lse.ndim else alive), -torch.inf)
 
 
 def raw_grad(ds: torch.Tensor, s: torch.Tensor, scoring: Scoring) -> torch.Tensor:

@@ -35,14 +35,14 @@ def to_heads(ring: Ring, x: torch.Tensor, sizes: list[int], what: str) -> torch.
     """(B, H, sizes[me], D) -> (B, H / U, sum(sizes), D), members' rows in order."""
     if ring.world == 1:
         return x
-    return _ToHeads.apply(x, ring, sizes, what)
+    return _AllToAll.apply(x, ring, sizes, what, _heads)
 
 
 def to_sequence(ring: Ring, x: torch.Tensor, sizes: list[int], what: str) -> torch.Tensor:
     """(B, h, sum(sizes), D) -> (B, h * U, sizes[me], D): the inverse of to_heads."""
     if ring.world == 1:
         return x
-    return _ToSequence.apply(x, ring, sizes, what)
+    return _AllToAll.apply(x, ring, sizes, what, _sequence)
 
 
 def _heads(ring: Ring, x: torch.Tensor, sizes: list[int], what: str) -> torch.Tensor:
@@ -72,23 +72,15 @@ def _sequence(ring: Ring, x: torch.Tensor, sizes: list[int], what: str) -> torch
     return torch.cat([pieces[j] for j in range(U)], dim=1)
 
 
-class _ToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """to_heads (forward=_heads) or to_sequence (forward=_sequence); the backward is
+    the other one, of the gradient."""
+
     @staticmethod
-    def forward(ctx, x, ring, sizes, what):
-        ctx.ring, ctx.sizes = ring, sizes
-        return _heads(ring, x, sizes, what)
+    def forward(ctx, x, ring, sizes, what, there):
+        ctx.ring, ctx.sizes, ctx.back = ring, sizes, _sequence if there is _heads else _heads
+        return there(ring, x, sizes, what)
 
     @staticmethod
     def backward(ctx, g):
-        return _sequence(ctx.ring, g.contiguous(), ctx.sizes, "grad"), None, None, None
-
-
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ring, sizes, what):
-        ctx.ring, ctx.sizes = ring, sizes
-        return _sequence(ring, x, sizes, what)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _heads(ctx.ring, g.contiguous(), ctx.sizes, "grad"), None, None, None
+        return ctx.back(ctx.ring, g.contiguous(), ctx.sizes, "grad"), None, None, None, None

@@ -48,7 +48,13 @@ class PerDocument:
     cut head-tail across the R ranks (see the module's docstring)."""
 
     def __init__(self, lengths: Sequence[int]):
-        lengths = [int(n) for n in lengths]
+        if any(not isinstance(n, int) or isinstance(n, bool) for n in lengths):
+            raise SdpaTypeError(
+                f"per_document takes one list of document lengths (the same packing for "
+                f"every batch row: each rank's shard holds the same positions for all of "
+                f"them), got {lengths!r}"
+            )
+        lengths = list(lengths)
         if not lengths or any(n <= 0 for n in lengths):
             raise SdpaValueError(
                 f"per_document takes the positive lengths of the packed documents, got {lengths}"

@@ -163,8 +163,7 @@ def _attend(setup: Setup, src: int, shard: tuple, qc, acc, acc_lse, rows) -> Non
         out, lse = kernels.forward(
             qc[:, :, c.rows], kk[:, :, c.cols], vv[:, :, c.cols], bias, causal, setup.scale
         )
-        # rows that saw no key here: -inf to merge
-        lse = tile.unsettled(lse, c.alive) if alive is None else lse.masked_fill(~alive, -torch.inf)
+        lse = tile.unsettled(lse, c.alive if alive is None else alive)  # -inf: saw no key
         merged, new = tile.merge(acc[:, :, c.rows], acc_lse[:, :, c.rows], out, lse)
         acc[:, :, c.rows], acc_lse[:, :, c.rows] = merged, new
 
