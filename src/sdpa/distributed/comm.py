@@ -116,6 +116,16 @@ def _count(what: str, tensors: Sequence[torch.Tensor]) -> None:
             counter.sent[what] += nbytes
 
 
+def require_initialized() -> None:
+    """Refuse, before any collective, a process whose torch.distributed is not started."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "sdpa.distributed needs torch.distributed initialised: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets "
+            "the environment for it)"
+        )
+
+
 class Ring:
     """This rank's place in an ordered list of ranks: `ranks` are global ranks (default:
     those of `group`, in its order); rank and world are this process's index in the
@@ -125,12 +135,7 @@ class Ring:
         self, group: dist.ProcessGroup | None, timeout: float, ranks: Sequence[int] | None = None
     ):
         """timeout: seconds every wait may take (valid_timeout(timeout) must hold)."""
-        if not dist.is_available() or not dist.is_initialized():  # local: before any collective
-            raise RuntimeError(
-                "sdpa.distributed needs torch.distributed initialised: call "
-                "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun sets "
-                "the environment for it)"
-            )
+        require_initialized()
         self.group = group
         if ranks is None:
             world = dist.get_world_size(group)
@@ -138,8 +143,6 @@ class Ring:
         self._global = list(ranks)
         self.world = len(self._global)
         self.rank = self._global.index(dist.get_rank())
-        self.next = (self.rank + 1) % self.world
-        self.prev = (self.rank - 1) % self.world
         self.timeout = timeout
 
     @property
@@ -147,7 +150,10 @@ class Ring:
         """The global ranks of the list, in its order."""
         return list(self._global)
 
-    def _wait(self, works, what: Callable[[], str]) -> None:
+    def wait(self, works, what: Callable[[], str]) -> None:
+        """Wait for `works` (torch.distributed handles) within the timeout: a timeout
+        raises RingTimeoutError saying the group is unusable, another failure RingError;
+        what() says what was awaited."""
         try:
             for w in works:
                 w.wait(timeout=datetime.timedelta(seconds=self.timeout))
@@ -187,7 +193,7 @@ class Ring:
 
     def finish(self, works: list, what: str) -> None:
         """Wait for transfers started by `start`; `what` says which call and step."""
-        self._wait(
+        self.wait(
             works,
             lambda: (
                 f"{what}: a transfer did not finish within {self.timeout} s; a rank failed, "

@@ -17,18 +17,19 @@ from sdpa.distributed.comm import Ring
 from sdpa.errors import SdpaValueError
 
 
-def split(Hq: int, Hkv: int, U: int) -> tuple[int, int]:
-    """(query heads per member, how many times each key/value head is repeated) for a
-    group of U: query heads must divide by U; key/value heads that do not are repeated
-    to lcm(Hkv, U) (each member then holds whole GQA groups, its queries' own key
-    heads), which adds (lcm / Hkv - 1) copies of K and V to the all-to-all."""
+def kv_repeats(Hq: int, Hkv: int, U: int) -> int:
+    """How many times each key/value head is repeated for a group of U (each member
+    takes Hq / U query heads): query heads must divide by U; key/value heads that do
+    not are repeated to lcm(Hkv, U) (each member then holds whole GQA groups, its
+    queries' own key heads), which adds (lcm / Hkv - 1) copies of K and V to the
+    all-to-all."""
     if Hq % U:
         raise SdpaValueError(
             f"Ulysses splits the query heads across the {U} ranks of its group: {Hq} query "
             f"heads do not divide by {U}; use a group whose size divides the heads, or "
             f"ring_attention"
         )
-    return Hq // U, math.lcm(Hkv, U) // Hkv
+    return math.lcm(Hkv, U) // Hkv
 
 
 def to_heads(ring: Ring, x: torch.Tensor, sizes: list[int], what: str) -> torch.Tensor:

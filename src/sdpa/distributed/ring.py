@@ -68,7 +68,7 @@ def make_setup(ring, q_runs, k_runs, mask, causal, scale, L, S, device) -> Setup
     return Setup(ring, q_runs, k_runs, mask, causal, scale, L, S, rows)
 
 
-def _kv_step(setup: Setup, step: int, shard: tuple, what: str):
+def _kv_step(setup: Setup, step: int, shard: tuple):
     """Start a step's key/value transfer: this rank's shard (k, v and its key padding,
     if any) to the rank that needs it at this step, the shard this rank needs into fresh
     buffers. Returns (buffers or None, works)."""
@@ -100,7 +100,7 @@ def _steps(setup: Setup, k, v, keys, what: str):
     own = (k.contiguous(), v.contiguous(), None if keys is None else keys.contiguous())
     current = own if setup.need[ring.rank][ring.rank] else None
     for step in range(ring.world):
-        upcoming = _kv_step(setup, step + 1, own, what) if step + 1 < ring.world else None
+        upcoming = _kv_step(setup, step + 1, own) if step + 1 < ring.world else None
         yield step, setup.peers(step)[0], current
         if upcoming is not None:
             arriving, works = upcoming

@@ -26,6 +26,7 @@ from sdpa.distributed.comm import (
     check_agreement,
     mask_digest,
     raise_failed,
+    require_initialized,
     valid_timeout,
 )
 from sdpa.distributed.layout import Run, check_layout, cut, describe
@@ -174,7 +175,7 @@ def _sharded(
     _check_whole(inputs, structured, causal, L, S, has_heads)
     local_masks.check_keys(local, S)
     q, k, v = inputs.query, inputs.key, inputs.value  # (B, Hq, n, E), (B, Hkv, m, E|Ev)
-    _, repeat = heads.split(q.shape[1], k.shape[1], U)
+    repeat = heads.kv_repeats(q.shape[1], k.shape[1], U)
     if repeat > 1:  # key/value heads that do not divide by U: whole GQA groups per member
         k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
     n_of, m_of = [h["sizes"][0] for h in within], [h["sizes"][1] for h in within]
@@ -222,7 +223,7 @@ def _masks_to_heads(group: Ring, local, has_heads: bool, q_shape, S: int, n_of, 
 
 def _alone(timeout: float) -> Ring:
     """A group of this rank alone: the ring of Ulysses, the group of the ring."""
-    Ring(None, timeout)  # (refuses an uninitialised torch.distributed, with how to start)
+    require_initialized()  # (before dist.get_rank, which would fail without saying how)
     return Ring(None, timeout, [dist.get_rank()])
 
 

@@ -26,15 +26,13 @@ communicate.
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
 from sdpa import masks
 from sdpa.budget import DEFAULT_MAX_BYTES
 from sdpa.distributed import local_masks
-from sdpa.distributed.comm import AFTER_TIMEOUT, Ring, RingError, RingTimeoutError, _count
+from sdpa.distributed.comm import Ring, RingError, _count
 from sdpa.distributed.layout import Run, index
 from sdpa.errors import SdpaTypeError, SdpaValueError
 from sdpa.inputs import normalize
@@ -343,22 +341,17 @@ class RingWeights:
         so that every rank of both clips by the same value. Forward only, as
         AttentionWeights.max_logits. A collective over the ring (and `group`)."""
         with torch.no_grad():
-            row = self._local("max_logits").max_logits().row  # (..., n)
+            local = self._local("max_logits").max_logits()  # row (..., n), head (...)
         ring = self._ring
-        empty = row.shape[-1] == 0
-        head = row.new_full(row.shape[:-1], -torch.inf) if empty else row.amax(dim=-1)
-        head = torch.stack(ring.all_gather(head.contiguous(), "reads", "max_logits")).amax(0)
+        head = torch.stack(ring.all_gather(local.head.contiguous(), "reads", "max_logits"))
+        head = head.amax(0)  # over every rank's rows
         if group is not None:
             work = dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group, async_op=True)
             _count("reads", [head])
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=ring.timeout))
-            except RuntimeError as e:
-                raise RingTimeoutError(
-                    f"rank {ring.rank}: max_logits over `group` did not finish within "
-                    f"{ring.timeout} s ({e}); {AFTER_TIMEOUT}"
-                ) from None
-        return MaxLogits(row, head)
+            ring.wait(
+                [work], lambda: f"max_logits over `group` did not finish within {ring.timeout} s"
+            )
+        return MaxLogits(local.row, head)
 
     def sum(self, dim: int = -2) -> torch.Tensor:
         """Attention each of this rank's keys receives from all L queries: (..., m)."""
