@@ -45,11 +45,12 @@ STRUCTURED = {
 
 
 def _reads(w) -> dict[str, torch.Tensor]:
-    """Reads of every kind: whole, rows, a key column, statistics, a product."""
+    """Reads of every kind: rows, a key column, statistics, a product, whole (last: it
+    hands kept weights out, and the reads after it compute them again, equal up to
+    rounding)."""
     L, S = w.shape[-2:]
     u = torch.linspace(-1, 1, L, dtype=w.dtype)
     return {
-        "full": w.full(),
         "row": w[0, 1, L - 1],
         "column": w[..., S // 2],
         "sum": w.sum(dim=-2),
@@ -57,6 +58,7 @@ def _reads(w) -> dict[str, torch.Tensor]:
         "topk": w.topk(2)[0],
         "lse": w.lse,
         "rmatmul": u @ w,
+        "full": w.full(),
     }
 
 

@@ -130,8 +130,10 @@ class _Reads(Lazy):
         self._inputs = inputs
         self._lse = lse if lse is None or not lse.requires_grad else lse.detach()  # (B, Hq, L)
         # (B, Hq, L, S), detached: the weights themselves where a backend computed them
-        # (the small backend) or one product did (_held); never handed out uncopied
+        # (the small backend) or one product did (_held); `full()` hands them out
+        # uncopied (and lets go of them) unless another handle may hold them too
         self._probs = probs
+        self._shared = False  # whether a view or a detached twin holds them too
         self._versions = _versions(inputs) if versions is None else versions
         self._backend = backend  # the Backend that ran the call (None: made elsewhere)
         self._frozen = frozen  # made under sdpa.frozen() from q / k that required grad
@@ -188,6 +190,17 @@ class _Reads(Lazy):
         in O(1): within the default budget, and not frozen weights (they refuse under
         grad)."""
         return not self._frozen and p.numel() * p.element_size() <= DEFAULT_MAX_BYTES
+
+    def _in_no_graph(self, p: torch.Tensor) -> bool:
+        """Whether no autograd graph may have saved the kept weights p, in O(1): nothing
+        the call took requires grad (not p, q, k, v, a mask, the sinks)."""
+        i = self._inputs
+        mask, sinks = i.tensor_mask, i.sinks
+        return not (
+            p.requires_grad or i.query.requires_grad or i.key.requires_grad
+            or i.value.requires_grad or (mask is not None and mask.requires_grad)
+            or (sinks is not None and sinks.requires_grad)
+        )  # fmt: skip
 
     def _needs(self, inputs: Inputs | None = None) -> grads.Needs | None:
         """Which inputs a read must carry gradients to (None: no read needs any). The
@@ -342,7 +355,13 @@ class _Reads(Lazy):
     def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
         """The dense weights, (*lead, L, S): a tensor of your own (editing it changes
         nothing here). Refuses, before allocating anything, when they need more than
-        max_bytes (None: no limit)."""
+        max_bytes (None: no limit). Weights the call kept are handed out uncopied where no
+        other handle holds them (this handle then computes them again if read again)."""
+        return self._full(max_bytes, give=True)
+
+    def _full(self, max_bytes: int | None, give: bool) -> torch.Tensor:
+        """full(max_bytes); give: whether kept weights may be handed out uncopied (not for
+        an op on the dense weights, whose result may be a view of them: w.numpy())."""
         p = self._probs
         if max_bytes is DEFAULT_MAX_BYTES or max_bytes is None:  # (the weights kept or
             # small: a copy of them, within the default budget)
@@ -350,8 +369,12 @@ class _Reads(Lazy):
             if p is None and not self._frozen and not self._shape_only:
                 p = self._held()  # (one product, kept, where small; else None)
             if p is not None and self._copies_held(p):
-                if torch.is_grad_enabled() and grads.needs(self._inputs) is not None:
-                    p = self._held(grad=True)  # (kept: a graph of this read's own)
+                if self._in_no_graph(p):
+                    if give and not self._shared:  # (no other handle holds them)
+                        self._probs = None  # yours, uncopied: read again, computed again
+                        return self._lead(p)
+                elif torch.is_grad_enabled() and grads.needs(self._inputs) is not None:
+                    return self._lead(self._held(grad=True).clone())  # (a graph of its own)
                 return self._lead(p.clone())
         max_bytes = check_max_bytes(max_bytes)
         self._check_fresh()
@@ -816,7 +839,10 @@ class _Reads(Lazy):
             sinks=None if i.sinks is None else i.sinks.detach(),
         )
         probs = None if self._probs is None else self._probs.detach()
-        return handle(inputs, self._lse, probs, self._backend)
+        twin = handle(inputs, self._lse, probs, self._backend)
+        if probs is not None:  # (the twin holds the same weights)
+            self._shared = twin._shared = True
+        return twin
 
     def to(self, *args: object, **kwargs: object) -> torch.Tensor:
         """The handle itself where nothing changes (as torch returns the tensor itself);
@@ -902,7 +928,7 @@ class _Reads(Lazy):
             DEFAULT_MAX_BYTES,
             LAZY_READS + "; or w.full(max_bytes=None)",
         )
-        return self.full()
+        return self._full(DEFAULT_MAX_BYTES, give=False)
 
     # -- saving and copying ----------------------------------------------------------
 
@@ -952,7 +978,7 @@ class _Reads(Lazy):
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
-_SLOTS = ("_inputs", "_lse", "_probs", "_versions", "_backend", "_frozen", "_source")
+_SLOTS = ("_inputs", "_lse", "_probs", "_shared", "_versions", "_backend", "_frozen", "_source")
 
 
 def new_handle(
@@ -971,8 +997,9 @@ def new_handle(
     q = inputs.query
     # (size, strides, storage_offset, memory_format, dtype, layout, device) by position:
     # torch's argument parser takes them ~0.5 us faster than as keywords
+    shape = (*inputs.lead, q.shape[2], inputs.key.shape[2])  # (Inputs.shape, inline)
     dtype = compute_dtype(q.dtype)
-    w = _make_wrapper(cls, inputs.shape, None, None, None, dtype, _STRIDED, q.device)
+    w = _make_wrapper(cls, shape, None, None, None, dtype, _STRIDED, q.device)
     versions = versions_now(inputs) if versions is None else versions  # (as of the call)
     _Reads.__init__(w, inputs, lse, probs, backend, frozen, versions)
     return w
@@ -1065,6 +1092,8 @@ class AttentionWeights(_Reads, LazyTensor):
         inputs, lse, probs = taken
         view = new_handle(AttentionWeights, inputs, lse, probs, self._backend, self._frozen)
         view._source, view._versions = self._source, self._versions
+        if probs is not None:  # (a view of the kept weights, or a copy: either way held)
+            self._shared = view._shared = True
         return view
 
     @staticmethod
