@@ -264,9 +264,9 @@ class _Kept(torch.autograd.Function):
     one product in the backward instead of one in the forward (a checkpoint)."""
 
     @staticmethod
-    def forward(ctx, p, again, *tensors):
+    def forward(ctx, p, again, copy, *tensors):
         ctx.again, ctx.tensors, ctx.versions = again, tensors, Versions.of(tensors)
-        return p.view_as(p)
+        return p.clone() if copy else p.view_as(p)
 
     @staticmethod
     def backward(ctx, g):
@@ -286,13 +286,17 @@ class _Kept(torch.autograd.Function):
             )
         )
         dts = [None if t is None else found.pop(id(t), None) for t in ctx.tensors]
-        return (None, None, *dts)
+        return (None, None, None, *dts)
 
 
-def kept(p: torch.Tensor, again: Callable[[], torch.Tensor], inputs: Inputs) -> torch.Tensor:
+def kept(
+    p: torch.Tensor, again: Callable[[], torch.Tensor], inputs: Inputs, copy: bool = False
+) -> torch.Tensor:
     """p (the weights a backend kept, values only) carrying the gradient of `again()`
-    (the same weights computed with autograd) to q, k, a float mask and the sinks."""
-    return _Kept.apply(p.detach(), again, *watched(inputs))
+    (the same weights computed with autograd) to q, k, a float mask and the sinks: a
+    view of p, or with copy a tensor of its own (one node, where a clone after it would
+    add a second)."""
+    return _Kept.apply(p.detach(), again, copy, *watched(inputs))
 
 
 def watch(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> torch.Tensor:

@@ -152,24 +152,27 @@ class _Reads(Lazy):
 
     # -- state ---------------------------------------------------------------------
 
-    def _held(self, grad: bool = False) -> torch.Tensor | None:
+    def _held(self, grad: bool = False, own: bool = False) -> torch.Tensor | None:
         """The whole weights (B, Hq, L, S) if the backend kept them, else computed in
         one product and kept where small (small.one_product), else None. With grad, for
         this read alone (torch then differentiates the read): kept weights as a graph of
         their own (grads.kept: the product again in the backward), or weights computed
         afresh with autograd where small; so no two reads, nor a read and the output,
         share a graph (each may have its own backward), and the backward sees q and k as
-        they were at the read."""
+        they were at the read. own (with grad): a tensor of the read's own, never a view
+        of the kept weights (full())."""
         p = self._probs
         if grad:
             if p is None and not small.one_product(self._inputs):
                 return None
             if p is not None:  # kept: the read's own graph, the product again in backward
-                return grads.kept(p, self._probabilities, self._inputs)
+                return grads.kept(p, self._probabilities, self._inputs, copy=own)
             with torch.enable_grad():
                 p = self._probabilities()
             mask = self._inputs.tensor_mask  # (autograd saves q and k, not an added mask)
-            return p if mask is None else grads.watch(p, [mask])
+            if mask is None:
+                return p
+            return grads.watch(p.clone() if own else p, [mask])
         if p is not None:
             return p
         if small.one_product(self._inputs):
@@ -190,17 +193,6 @@ class _Reads(Lazy):
         in O(1): within the default budget, and not frozen weights (they refuse under
         grad)."""
         return not self._frozen and p.numel() * p.element_size() <= DEFAULT_MAX_BYTES
-
-    def _in_no_graph(self, p: torch.Tensor) -> bool:
-        """Whether no autograd graph may have saved the kept weights p, in O(1): nothing
-        the call took requires grad (not p, q, k, v, a mask, the sinks)."""
-        i = self._inputs
-        mask, sinks = i.tensor_mask, i.sinks
-        return not (
-            p.requires_grad or i.query.requires_grad or i.key.requires_grad
-            or i.value.requires_grad or (mask is not None and mask.requires_grad)
-            or (sinks is not None and sinks.requires_grad)
-        )  # fmt: skip
 
     def _needs(self, inputs: Inputs | None = None) -> grads.Needs | None:
         """Which inputs a read must carry gradients to (None: no read needs any). The
@@ -369,12 +361,18 @@ class _Reads(Lazy):
             if p is None and not self._frozen and not self._shape_only:
                 p = self._held()  # (one product, kept, where small; else None)
             if p is not None and self._copies_held(p):
-                if self._in_no_graph(p):
+                i = self._inputs
+                mask, sinks = i.tensor_mask, i.sinks
+                if not (  # (no graph saved p: nothing the call took requires grad)
+                    p.requires_grad or i.query.requires_grad or i.key.requires_grad
+                    or i.value.requires_grad or (mask is not None and mask.requires_grad)
+                    or (sinks is not None and sinks.requires_grad)
+                ):  # fmt: skip
                     if give and not self._shared:  # (no other handle holds them)
                         self._probs = None  # yours, uncopied: read again, computed again
                         return self._lead(p)
                 elif torch.is_grad_enabled() and grads.needs(self._inputs) is not None:
-                    return self._lead(self._held(grad=True).clone())  # (a graph of its own)
+                    return self._lead(self._held(grad=True, own=True))  # (a graph of its own)
                 return self._lead(p.clone())
         max_bytes = check_max_bytes(max_bytes)
         self._check_fresh()

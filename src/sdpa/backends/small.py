@@ -77,7 +77,7 @@ def _attend(inputs: Inputs, v: torch.Tensor | None) -> tuple[torch.Tensor | None
     window = tile.additive(mask, cd)
     if causal:  # top-left
         window = masks.combine(tile.causal_bias(L, S, cd, q.device), window)
-    live = _live_rows(inputs, L, q.device)  # (B, 1, L, 1) bool, or None
+    live = None if mask is None else _live_rows(inputs, L, q.device)  # (B, 1, L, 1) bool
     if live is not None:  # declared padded queries: scored as if open, then zeroed (a
         # product, where the rows of -inf would take the dead-row repair's passes)
         window = window.masked_fill(~live, 0.0)
