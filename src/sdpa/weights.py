@@ -356,7 +356,7 @@ class _Reads(Lazy):
         an op on the dense weights, whose result may be a view of them: w.numpy())."""
         p = self._probs
         if max_bytes is DEFAULT_MAX_BYTES or max_bytes is None:  # (the weights kept or
-            # small: a copy of them, within the default budget)
+            # small, within the default budget: handed out, or a copy of them)
             self._check_fresh()
             if p is None and not self._frozen and not self._shape_only:
                 p = self._held()  # (one product, kept, where small; else None)

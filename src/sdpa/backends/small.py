@@ -7,9 +7,10 @@ sdpa.settings) the scores fit in cache and torch's fused kernel saves nothing ov
 
 so this backend computes that, with grouped-query heads folded into rows (no copy of k
 or v), and hands p to AttentionWeights: every row and statistic of these weights is then
-a read of p, and `w.full()` costs one copy. The LSE is not computed (AttentionWeights
-computes it if asked). Differentiable through torch's own matmul and softmax. Rows that
-see no key give output 0 and weights 0, as in the reference backend.
+a read of p, and `w.full()` hands p out (a copy where another handle or a graph
+holds it). The LSE is not computed (AttentionWeights computes it if asked).
+Differentiable through torch's own matmul and softmax. Rows that see no key give
+output 0 and weights 0, as in the reference backend.
 """
 
 from __future__ import annotations
