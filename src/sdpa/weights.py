@@ -361,13 +361,8 @@ class _Reads(Lazy):
             if p is None and not self._frozen and not self._shape_only:
                 p = self._held()  # (one product, kept, where small; else None)
             if p is not None and self._copies_held(p):
-                i = self._inputs
-                mask, sinks = i.tensor_mask, i.sinks
-                if not (  # (no graph saved p: nothing the call took requires grad)
-                    p.requires_grad or i.query.requires_grad or i.key.requires_grad
-                    or i.value.requires_grad or (mask is not None and mask.requires_grad)
-                    or (sinks is not None and sinks.requires_grad)
-                ):  # fmt: skip
+                # (no graph saved p: nothing the call took requires grad; not frozen here)
+                if not (p.requires_grad or self._inputs.value.requires_grad or self.requires_grad):
                     if give and not self._shared:  # (no other handle holds them)
                         self._probs = None  # yours, uncopied: read again, computed again
                         return self._lead(p)
