@@ -358,7 +358,7 @@ def weights(
     if r.complete and scratch is not None and r.inputs.sinks is None and r.device.type == "cpu":
         q, k, _, _, window = operands(r, t)
         s = tile.exclude(tile.scores(q, k, tile.Scoring.of(r.inputs), out=scratch), window)
-        return tile.finish(s, lse=False, out=out)[0]
+        return tile.finish(s, lse=False, every_row_sees_a_key=window is None, out=out)[0]
     shifted, c, sinks = _shifted(r, t, out)
     if not r.complete:
         return tile.rebuild(shifted)  # exp(s - lse): the product subtracted the LSE
