@@ -5,7 +5,9 @@ Each round runs `benchmarks/NAME.py --no-memory --json OUT` once in a checkout o
 base commit and once in this tree (each its own benchmark file, with its own `src` first
 on the path), in alternating order, so drift hits both alike. For every case it prints
 the median ratio to the peer under each, and their quotient (this tree's ratio over the
-base's). It is a check: the exit status is 1 when a case's quotient is above
+base's), then the quotient of each side's own median time ("own": where the ratio moved
+and our own time did not, the peer's time moved; the peer runs the same code on both
+sides). It is a check on the ratios: the exit status is 1 when a case's quotient is above
 --threshold (default 1.05: more than 5% worse, flagged WORSE) or when a case was
 measured on one side only (listed: a case renamed, added or lost is never compared
 silently); 2 when a run could not be made (the other benchmarks are still compared).
@@ -38,9 +40,22 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("base", "head")
+
+
+class Sample(NamedTuple):
+    """One case of one run: our time over the peer's, and our own median time (ms; None
+    where the benchmark's rows do not give it)."""
+
+    ratio: float
+    ms: float | None = None
+
+    @classmethod
+    def of(cls, value: Sample | float) -> Sample:
+        return value if isinstance(value, Sample) else cls(float(value))
 
 
 class RunError(Exception):
@@ -109,6 +124,7 @@ def _ring_ratios(results: object) -> list[dict] | None:
             + ("" if r.get("scheme", "ring") in ("ring", None) else f", {r['scheme']}"),
             "peer": WHOLE,
             "ratio": r["seconds"] / whole[r["mode"]],
+            "median_ms": r["seconds"] * 1e3,
         }
         for r in results
         if r["impl"] != WHOLE and r["mode"] in whole
@@ -135,8 +151,8 @@ def _command(
 
 def _run(
     tree: Path, bench: str, only: str | None, quick: bool, reps: int | None = None
-) -> dict[str, float]:
-    """{case: ours / peer} of one run of benchmarks/`bench`.py in `tree`."""
+) -> dict[str, Sample]:
+    """{case: (ours / peer, our median ms)} of one run of benchmarks/`bench`.py in `tree`."""
     script = tree / "benchmarks" / f"{bench}.py"
     if not script.is_file():
         raise RunError(f"{script.relative_to(tree)} does not exist in {tree}")
@@ -157,13 +173,17 @@ def _run(
             f"{bench} writes no comparison rows (case, peer, ratio): ab_bench compares the "
             f"benchmarks built on sdpa.benchmark"
         )
-    return {r["case"]: r["ratio"] for r in results if r["peer"] is not None}  # ours / peer
+    return {
+        r["case"]: Sample(r["ratio"], r.get("median_ms")) for r in results if r["peer"] is not None
+    }
 
 
 @dataclass
 class Report:
-    """Every case of one benchmark: its medians (`cases`: case -> base, head, head/base),
-    the cases over the threshold, and the cases some run of a side did not measure."""
+    """Every case of one benchmark: its medians (`cases`: case -> base, head, head/base of
+    the ratios, and "own": head/base of our own median times where both sides give them),
+    the cases whose ratios' quotient is over the threshold, and the cases some run of a
+    side did not measure."""
 
     threshold: float
     cases: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -175,9 +195,10 @@ class Report:
         return not self.worse and not self.one_sided
 
 
-def compare(runs: dict[str, list[dict[str, float]]], threshold: float) -> Report:
-    """Medians per side of each case measured in every run of both sides; a case missing
-    from any run of a side is one-sided (a failure, never dropped from the report)."""
+def compare(runs: dict[str, list[dict[str, Sample | float]]], threshold: float) -> Report:
+    """Medians per side of each case measured in every run of both sides (a run's value
+    is a Sample or a bare ratio); a case missing from any run of a side is one-sided (a
+    failure, never dropped from the report)."""
     report = Report(threshold)
     every = sorted(set().union(*(set(d) for side in SIDES for d in runs[side])))
     for case in every:
@@ -187,9 +208,12 @@ def compare(runs: dict[str, list[dict[str, float]]], threshold: float) -> Report
                 f"not in {n} of {len(runs[side])} {side} runs" for side, n in lacking.items() if n
             )
             continue
-        a = statistics.median(d[case] for d in runs["base"])
-        b = statistics.median(d[case] for d in runs["head"])
+        samples = {side: [Sample.of(d[case]) for d in runs[side]] for side in SIDES}
+        a, b = (statistics.median(x.ratio for x in samples[side]) for side in SIDES)
         report.cases[case] = {"base": a, "head": b, "head/base": b / a}
+        if all(x.ms is not None for side in SIDES for x in samples[side]):
+            own_a, own_b = (statistics.median(x.ms for x in samples[side]) for side in SIDES)
+            report.cases[case]["own"] = own_b / own_a
         if b / a > threshold:
             report.worse.append(case)
     return report
@@ -214,8 +238,9 @@ def base_tree(commit: str) -> Iterator[Path]:
 def _print(bench: str, report: Report) -> None:
     for case, row in report.cases.items():
         flag = "  WORSE" if case in report.worse else ""
+        own = f"  own {row['own']:5.2f}" if "own" in row else ""
         print(f"{bench:14s} {case:48s} base {row['base']:7.3f}  head {row['head']:7.3f}  "
-              f"{row['head/base']:5.2f}{flag}")  # fmt: skip
+              f"{row['head/base']:5.2f}{own}{flag}")  # fmt: skip
     for case, why in report.one_sided.items():
         print(f"{bench:14s} {case:48s} ONE SIDE ONLY: {why}")
 
@@ -245,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             for tree in trees.values():
                 _check_import(tree)
             for bench in benches:
-                runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+                runs: dict[str, list[dict[str, Sample]]] = {side: [] for side in SIDES}
                 try:
                     for r in range(args.rounds):
                         for side in SIDES if r % 2 == 0 else SIDES[::-1]:

@@ -32,6 +32,21 @@ def test_cases_of_both_sides_are_compared_by_their_medians(ab):
     assert report.worse == ["a"] and not report.ok
 
 
+def test_own_times_are_compared_beside_the_ratios(ab):
+    """Where the runs give our own median time, its head/base quotient is reported beside
+    the ratios' ("own"), and the verdict stays the ratios': a peer that got faster on the
+    head's side fails the case though our own time did not move."""
+    S = ab.Sample
+    runs = {"base": [{"a": S(1.0, 10.0)}, {"a": S(1.2, 12.0)}, {"a": S(1.1, 11.0)}],
+            "head": [{"a": S(1.3, 11.0)}, {"a": S(1.3, 9.0)}]}  # fmt: skip
+    report = ab.compare(runs, threshold=1.05)
+    assert report.cases["a"]["own"] == pytest.approx(10.0 / 11.0)
+    assert report.cases["a"]["head/base"] == pytest.approx(1.3 / 1.1)
+    assert report.worse == ["a"]
+    partial = {"base": [{"a": S(1.0, 10.0)}], "head": [{"a": S(1.0)}]}
+    assert "own" not in ab.compare(partial, 1.05).cases["a"]
+
+
 def test_the_threshold_is_a_bound_on_head_over_base(ab):
     fine = {"base": [{"a": 1.0}], "head": [{"a": 1.049}]}
     assert ab.compare(fine, 1.05).ok
@@ -139,6 +154,8 @@ def test_the_ring_benchmark_rows_compare_to_the_whole_sequence(ab):
     ]
     got = {r["case"]: r["ratio"] for r in ab._ring_ratios(rows)}
     assert got == {"dense, 1 ranks": 1.1, "dense, 4 ranks": 1.25, "causal zigzag, 2 ranks": 0.8}
+    own = {r["case"]: r["median_ms"] for r in ab._ring_ratios(rows)}
+    assert own == {"dense, 1 ranks": 11e3, "dense, 4 ranks": 12.5e3, "causal zigzag, 2 ranks": 4e3}
     assert ab._ring_ratios([{"case": "x", "peer": "y", "ratio": 1.0}]) is None
 
 
