@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from sdpa import settings, tile
+from sdpa import indexing, settings, tile
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, release_freed
 from sdpa.errors import NotSupportedError, StaleWeightsError
 
@@ -694,30 +694,18 @@ def _take(a: object, index: object, shape: tuple[int, ...], memo: dict) -> objec
 
 
 def _full_index(index: object, nd: int) -> tuple | None:
-    """index as a tuple of one entry per dim (Ellipsis filled with whole slices; None
-    entries kept), or None for an index of another kind (a boolean mask, a tensor of
-    more than one dim, too many entries)."""
-    items = index if isinstance(index, tuple) else (index,)
+    """index as a tuple of one entry per dim (sdpa.indexing.spread: '...' filled with
+    whole slices; None entries kept), or None for an index of another kind (a boolean
+    mask, a tensor of more than one dim). Raises torch's IndexError for too many
+    indices or a second '...'."""
     out = []
-    for i in items:
-        if i is None or i is Ellipsis or isinstance(i, slice):
+    for i in indexing.spread(index, nd):
+        if i is None or isinstance(i, slice) or _positions(i):
             out.append(i)
         elif _integer(i):
             out.append(operator.index(i))
-        elif _positions(i):
-            out.append(i)
         else:
             return None
-    if out.count(Ellipsis) > 1:
-        return None
-    real = sum(i is not None and i is not Ellipsis for i in out)
-    if real > nd:
-        return None
-    if Ellipsis in out:
-        at = out.index(Ellipsis)
-        out[at : at + 1] = [slice(None)] * (nd - real)
-    else:
-        out += [slice(None)] * (nd - real)
     return tuple(out)
 
 

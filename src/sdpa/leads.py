@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from sdpa import masks
+from sdpa import indexing, masks
 from sdpa.inputs import Inputs
 
 
@@ -138,49 +138,28 @@ def take(
     return taken, lse, probs
 
 
-def _dims_taken(item: object) -> int | None:
-    """How many dims an index entry addresses: a boolean mask its own ndim, an int, a
-    slice, a list or an integer tensor or array one; None for what a view does not take
-    here (None / newaxis, a list of bools)."""
-    if item is None:
-        return None
-    if isinstance(item, list | tuple) and any(isinstance(x, bool) for x in item):
-        return None
-    dtype = getattr(item, "dtype", None)
-    if dtype is not None and str(dtype) in ("bool", "torch.bool"):
-        return item.ndim
-    return 1
-
-
-def _whole(item: object) -> bool:
-    return isinstance(item, slice) and item == slice(None)
-
-
 def lead_index(index: object, nd: int) -> tuple | None:
     """The part of `index` (of weights with nd dims) that addresses the leading dims,
     where it leaves the query and key dims whole (w[0], w[:, 2], w[mask_over_lead],
-    w[[0, 1]], w[0, ..., :, :]), else None (the index reads rows or keys)."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    lead = nd - 2
-    if sum(item is Ellipsis for item in items) > 1:
+    w[[0, 1]], w[0, ..., :, :]), else None (the index reads rows or keys, adds a dim
+    with None, or is one torch refuses: the read says why)."""
+    try:
+        items = indexing.spread(index, nd)
+    except IndexError:
         return None
-    if Ellipsis in [i if i is Ellipsis else None for i in items]:
-        at = next(n for n, item in enumerate(items) if item is Ellipsis)
-        before, after = items[:at], items[at + 1 :]
-        if len(after) > 2 or not all(_whole(i) for i in after):
-            return None
-        items = before
-    taken, out = 0, []
+    lead, taken = nd - 2, 0
     for n, item in enumerate(items):
-        dims = _dims_taken(item)
-        if dims is None:
-            return None
+        if item is None or isinstance(item, bool) or _bools(item):
+            return None  # (a dim added, or a list of bools: not a view's)
+        dims = indexing.dims_taken(item)
         if taken + dims > lead:  # the rest address the query and key dims: whole only
-            rest = items[n:]
-            return tuple(out) if len(rest) <= 2 and all(_whole(i) for i in rest) else None
+            return tuple(items[:n]) if all(map(indexing.is_whole, items[n:])) else None
         taken += dims
-        out.append(item)
-    return tuple(out)
+    return tuple(items)
+
+
+def _bools(item: object) -> bool:
+    return isinstance(item, list | tuple) and any(isinstance(x, bool) for x in item)
 
 
 def grid(flat: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:

@@ -27,11 +27,11 @@ import itertools
 import math
 import operator
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 
-from sdpa import grads, kernels, leads, masks, rows, settings, tile
+from sdpa import grads, indexing, kernels, leads, masks, rows, settings, tile
 from sdpa.backends import BACKENDS, small
 from sdpa.backends.reference import Reference
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
@@ -1790,17 +1790,11 @@ def _index_list(
 def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | torch.Tensor]:
     """One int (non-negative, in range) or slice (positive step) per dim of `shape`; the
     query and key dims (the last two) may also be (m,) int64 tensors of positions."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    ellipses = [n for n, item in enumerate(items) if item is Ellipsis]  # (identity: arrays)
-    if len(ellipses) > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
-    if ellipses:
-        at = ellipses[0]
-        items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
-    if len(items) > len(shape):
-        raise IndexError(f"too many indices for weights of shape {tuple(shape)}: got {len(items)}")
-    items += [slice(None)] * (len(shape) - len(items))
+    items = indexing.spread(index, len(shape), of=f"weights of shape {tuple(shape)}")
     out: list[int | slice | torch.Tensor] = []
+    for n, item in enumerate(items):
+        if indexing.dims_taken(item) != 1:  # None, a bool, a boolean mask of 2+ dims
+            _not_an_index(item, n)
     for dim, (item, size) in enumerate(zip(items, shape, strict=True)):
         if dim >= len(shape) - 2:  # the query and key dims also take lists of positions
             what = "the key dim" if dim == len(shape) - 1 else "the query dim"
@@ -1817,12 +1811,7 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | tor
             with contextlib.suppress(TypeError):  # numpy integers, 0-d integer tensors
                 item = operator.index(item)
         if isinstance(item, bool) or not isinstance(item, int | slice):
-            raise SdpaTypeError(
-                f"AttentionWeights takes ints, slices and '...' as indices (they choose which "
-                f"rows to compute; the query and key dims also a list or 1-D integer tensor "
-                f"of positions), got {type(item).__name__} for dim {dim}; index the "
-                f"resulting tensor for anything else"
-            )
+            _not_an_index(item, dim)
         if isinstance(item, int):
             if not -size <= item < size:
                 raise IndexError(f"index {item} is out of bounds for dim {dim} with size {size}")
@@ -1831,6 +1820,15 @@ def _normalize_index(index: object, shape: torch.Size) -> list[int | slice | tor
             raise SdpaValueError(f"slice step must be positive, got {item.step} for dim {dim}")
         out.append(item)
     return out
+
+
+def _not_an_index(item: object, dim: int) -> NoReturn:
+    raise SdpaTypeError(
+        f"AttentionWeights takes ints, slices and '...' as indices (they choose which "
+        f"rows to compute; the query and key dims also a list or 1-D integer tensor "
+        f"of positions), got {type(item).__name__} for dim {dim}; index the "
+        f"resulting tensor for anything else"
+    )
 
 
 # torch.load(..., weights_only=True) of a saved handle: its state is tensors, numbers,

@@ -53,7 +53,7 @@ from typing import NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sdpa import masks
+from sdpa import indexing, masks
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
 from sdpa.errors import (
     NotSupportedError,
@@ -1749,19 +1749,12 @@ def _is_whole(index: object, shape: tuple[int, ...]) -> bool:
 
 
 def _normalize(index: object, shape: tuple[int, ...]) -> list | None:
-    """One item per dim (ints, slices, 1-D int tensors / lists), or None for indices a
-    deferred tensor does not take (None, bools, multi-dim tensors)."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    ndim = len(shape)
-    ellipses = [at for at, i in enumerate(items) if i is Ellipsis]
-    if len(ellipses) > 1:
+    """One item per dim (ints, slices, 1-D int tensors / lists; '...' spread by
+    sdpa.indexing), or None for indices a deferred tensor does not take (None, bools,
+    multi-dim tensors). Raises torch's IndexError for too many indices or a second '...'."""
+    items = indexing.spread(index, len(shape))
+    if len(items) != len(shape):  # (None, a bool, a boolean mask of 2+ dims)
         return None
-    if ellipses:
-        at = ellipses[0]
-        items[at : at + 1] = [slice(None)] * (ndim - len(items) + 1)
-    if len(items) > ndim:
-        return None
-    items += [slice(None)] * (ndim - len(items))
     out = []
     for size, item in zip(shape, items, strict=True):
         if isinstance(item, bool) or item is None:
