@@ -79,6 +79,14 @@ EXPRS = {
     "vector-of-a-head-sum-keepdim": lambda w, o: o[5][0] @ w.sum(1, keepdim=True),
     "rollout-step-product": lambda w, o: _rollout_step(w, o) @ o[4],
     "rollout-step-cls-row": lambda w, o: o[5][:1] @ _rollout_step(w, o),
+    # reshapes of the leading dims: the operands moved (a per-head factor's broadcast
+    # view cannot merge B and H as a view: copied, B x H entries)
+    "lead-reshaped-product-received": lambda w, o: (w * o[0]).reshape(B * HQ, L, S).sum(-1),
+    "flattened-per-head-product-row": lambda w, o: (w * o[3]).flatten(0, 1)[5, 2],
+    "unflattened-transpose-rows": lambda w, o: (w * 2).mT.unflatten(1, (2, 2))[1, 0, 1, 3],
+    "expanded-expression-received": lambda w, o: (w * o[0])[:1].expand(3, HQ, L, S).sum(-2),
+    "unsqueezed-log-head-mean": lambda w, o: w.clamp_min(1e-4).log().unsqueeze(0).mean(2)[0, 1, 4],
+    "viewed-count-over": lambda w, o: (w > 0.05).view(B * HQ, L, S).sum(-1),
 }
 
 
@@ -276,9 +284,40 @@ def test_what_an_expression_cannot_do_refuses_by_name(gen, op, pattern):
         op(x)
 
 
+def test_a_reshape_of_the_leading_dims_is_an_expression_of_moved_operands(gen):
+    """view / reshape / flatten / unflatten / unsqueeze / squeeze / expand that keep the
+    query and key dims: an expression again (its operands moved), made in O(1) of L x S;
+    a reshape that moves the query or key dims takes the dense value."""
+    q, k, v, _ = make_inputs(gen, B=B, Hq=HQ, L=L, S=S)
+    w = sdpa.attention(q, k, v).weights
+    keep, _, _, heads, _, _ = _operands(gen)
+    dense = w.full()
+    cases = [
+        ((w * keep).reshape(B * HQ, L, S), (dense * keep).reshape(B * HQ, L, S)),
+        ((w * heads).view(-1, L, S), (dense * heads).view(-1, L, S)),
+        ((w + 1).unsqueeze(1).squeeze(1), dense + 1),
+        ((w.mT * 2).flatten(0, 1), (dense.mT * 2).flatten(0, 1)),
+        ((w * keep)[:1].expand(3, HQ, L, S), (dense * keep)[:1].expand(3, HQ, L, S)),
+    ]
+    for got, want in cases:
+        assert isinstance(got, LazyExpr) and got.shape == want.shape
+        torch.testing.assert_close(got.full(), want, atol=1e-6, rtol=1e-6)
+    # an L x S operand per head, broadcast over B: its view cannot merge B and H, and a
+    # copy would be the dense value's size, so the reshape takes the dense value
+    per_head = torch.rand(1, HQ, L, S, generator=gen)
+    merged = (w * per_head).flatten(0, 1)
+    assert type(merged) is torch.Tensor
+    torch.testing.assert_close(merged, (dense * per_head).flatten(0, 1))
+    moved_keys = (w * 2).reshape(B, HQ, L * S)
+    assert type(moved_keys) is torch.Tensor  # (the key dim merged: the dense value)
+    torch.testing.assert_close(moved_keys, (dense * 2).reshape(B, HQ, L * S))
+
+
 def test_an_expression_past_the_budget_refuses_a_dense_op_naming_the_lazy_reads():
     q, k, v = (torch.randn(2, 3, 16385, 4) for _ in range(3))
     x = sdpa.attention(q, k, v).weights * 2
+    y = x.flatten(0, 1)  # (a reshape of the leading dims: lazy, no L x S)
+    torch.testing.assert_close(y[4, 7], x[1, 1, 7], atol=0, rtol=0)
     with pytest.raises(sdpa.WeightsTooLargeError, match=r"diagonal.*pairs.*elementwise"):
         torch.softmax(x, -1)
     with pytest.raises(sdpa.WeightsTooLargeError, match="`max` of a lazy expression"):

@@ -75,6 +75,12 @@ class LazyTensor(Lazy, torch.Tensor):
 
     __slots__ = ()
 
+    def _lead_moved(self, new: tuple[int, ...], grow: bool) -> LazyTensor | None:
+        """This lazy tensor reshaped (grow: expanded) to `new`, which keeps the last two
+        dims, as a lazy tensor; None where it has no such form (the caller takes the
+        dense value)."""
+        return None
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         """A safety net: every op is answered above autograd (__torch_function__), so one
@@ -281,6 +287,13 @@ ELEMENTWISE = frozenset(
 """The elementwise torch functions an expression records (their out-of-place forms)."""
 
 _TO = T.to
+RESHAPES = (
+    T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.unflatten, torch.unflatten,
+    T.squeeze, torch.squeeze, T.unsqueeze, torch.unsqueeze, T.expand,
+)  # fmt: skip
+"""The ops that change a lazy tensor's leading dims alone (where their result keeps the
+query and key dims last and whole): lazy there, the dense value's op elsewhere."""
+EXPANDS = frozenset({T.expand})  # (of RESHAPES: rows repeat along the new dims)
 
 
 def _transposed(x: torch.Tensor) -> torch.Tensor:
@@ -413,6 +426,35 @@ class LazyExpr(LazyTensor):
         kwargs = {k: off(v) for k, v in self._kwargs.items()}
         return LazyExpr(self._func, args, kwargs, shape, dtype, self.device, self._versions, False)
 
+    def _lead_moved(self, new: tuple[int, ...], grow: bool) -> LazyTensor | None:
+        """The reshape (expand) of the leading dims pushed into the operands: each lazy
+        one moved alike, each plain tensor's broadcast view moved (a copy only where its
+        query and key dims are not both whole: O(lead x (L + S))); a transpose moves its
+        weights with the last two dims swapped. None for a reduction over leading dims,
+        or where an operand has no lazy form."""
+        self._check_fresh()
+        shape = self._shape()
+        if self._func is _transposed:
+            turned = (*new[:-2], new[-1], new[-2])
+            return transpose_or_none(self._args[0]._lead_moved(turned, grow))
+        if isinstance(self._func, LeadReduction):
+            return None
+
+        def move(a: object) -> object:
+            if isinstance(a, LazyTensor):
+                return a._lead_moved(new, grow)
+            if not isinstance(a, torch.Tensor) or a.ndim == 0:
+                return a
+            return _plain_moved(a, shape, new, grow)
+
+        moved = [move(a) for a in (*self._args, *self._kwargs.values())]
+        if any(m is None for m in moved):
+            return None
+        n = len(self._args)
+        kwargs = dict(zip(self._kwargs, moved[n:], strict=True))
+        with self._autograd():
+            return expr(self._func, tuple(moved[:n]), kwargs)
+
     def __repr__(self, *, tensor_contents: object = None) -> str:
         try:
             return printed(self, self._shape(), self.full)
@@ -529,6 +571,31 @@ def transpose(x: LazyTensor) -> torch.Tensor:
     device = metadata(T.device.__get__, (x,), {})
     new = (*shape[:-2], shape[-1], shape[-2])
     return LazyExpr(_transposed, (x,), {}, new, dtype, device, (), torch.is_grad_enabled())
+
+
+def transpose_or_none(x: LazyTensor | None) -> torch.Tensor | None:
+    return None if x is None else transpose(x)
+
+
+def _plain_moved(
+    a: torch.Tensor, shape: tuple[int, ...], new: tuple[int, ...], grow: bool
+) -> torch.Tensor | None:
+    """A plain operand a (broadcasting to `shape`) as an operand of the same op moved to
+    `new` (its leading dims reshaped or expanded, the last two kept): its broadcast view,
+    moved as a view, or copied where its last two dims are not both whole (O(lead x
+    (L + S))); None where that copy would be as large as the dense value."""
+    a = a.reshape((1,) * (len(shape) - a.ndim) + tuple(a.shape))  # aligned: a view
+    last = tuple(a.shape[-2:])  # (1 or L, 1 or S)
+    full = a.expand(*shape[:-2], *last)
+    target = (*new[:-2], *last)
+    if grow:
+        return full.expand(target)
+    try:
+        return full.view(target)
+    except RuntimeError:  # (dims of stride 0 and others merged)
+        if last == tuple(shape[-2:]) and math.prod(last) > 1:
+            return None
+        return full.reshape(target)
 
 
 def reduce_lead(x: LazyTensor, how: LeadReduction) -> LazyExpr:
@@ -1089,6 +1156,25 @@ def _transpose_read(func: Callable) -> Callable:
     return read
 
 
+def _reshape_read(func: Callable) -> Callable:
+    def reshape(x: LazyExpr, *args: object, **kwargs: object) -> torch.Tensor:
+        """A reshape of the leading dims alone: the expression of its operands moved
+        (LazyExpr._lead_moved); any other the op on the dense value."""
+        if not any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
+            try:
+                new = tuple(func(_meta(x), *args, **kwargs).shape)
+            except (RuntimeError, TypeError, IndexError, ValueError):
+                new = None
+            shape = x._shape()
+            if new is not None and len(new) >= 2 and new[-2:] == shape[-2:]:
+                moved = x._lead_moved(new, func in EXPANDS)
+                if moved is not None:
+                    return moved
+        return on_dense(func, (x, *args), kwargs)
+
+    return reshape
+
+
 def _same(x: LazyExpr, *args: object, **kwargs: object) -> torch.Tensor:
     """contiguous() (any format but channels-last) and to() of nothing new: x itself."""
     memory_format = kwargs.get("memory_format", torch.preserve_format)
@@ -1121,6 +1207,7 @@ EXPR_READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.matmul, T.matmul, T.__matmul__), _matmul),
     T.__rmatmul__: lambda a, b: _matmul(b, a),
     **{f: _transpose_read(f) for f in TRANSPOSES},
+    **{f: _reshape_read(f) for f in RESHAPES},
     **dict.fromkeys((torch.detach, T.detach, T.data.__get__), LazyExpr.detach),
     T.requires_grad.__get__: LazyExpr.requires_grad.fget,
     T.contiguous: _same,

@@ -38,9 +38,11 @@ from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
 from sdpa.inputs import Inputs, check_flag, compute_dtype, empty, no_autocast
 from sdpa.lazy import (
+    EXPANDS,
     GRAD_OF_LAZY,
     LAZY_READS,
     METADATA,
+    RESHAPES,
     TRANSPOSES,
     Lazy,
     LazyTensor,
@@ -1123,20 +1125,23 @@ class AttentionWeights(_Reads, LazyTensor):
         the query and key dims last and whole: the lazy view of the rows in their new
         leading shape (in torch's row-major order); any other the op on the dense
         weights. The result's shape is torch's own (asked of a meta tensor)."""
-        shape = tuple(self._inputs.shape)
         try:
             new = tuple(_meta_result(self, func, args, kwargs).shape)
         except (RuntimeError, TypeError, IndexError):
             new = None
-        if new is not None and new[-2:] == shape[-2:] and len(new) >= 2:
-            if func in _EXPANDS:  # rows repeat (read once each) along the new dims
-                rows = leads.expanded_rows(shape[:-2], new[:-2])
-            else:
-                rows = leads.reshaped_rows(shape[:-2], new[:-2])
-            view = self._lead_view(*rows)
-            if view is not None:
-                return view
-        return on_dense(func, (self, *args), kwargs)
+        view = None if new is None else self._lead_moved(new, func in EXPANDS)
+        return view if view is not None else on_dense(func, (self, *args), kwargs)
+
+    def _lead_moved(self, new: tuple[int, ...], grow: bool) -> AttentionWeights | None:
+        """The lazy view of the rows in the new leading shape `new[:-2]` (torch's
+        row-major order; grow: an expand, rows repeat along the new dims), where `new`
+        keeps the query and key dims last and whole; else None."""
+        shape = tuple(self._inputs.shape)
+        if len(new) < 2 or new[-2:] != shape[-2:]:
+            return None
+        if grow:  # rows repeat (read once each) along the new dims
+            return self._lead_view(*leads.expanded_rows(shape[:-2], new[:-2]))
+        return self._lead_view(*leads.reshaped_rows(shape[:-2], new[:-2]))
 
     def _permuted(self, perm: list[int] | None) -> torch.Tensor | None:
         """A permutation of the dims (permute, transpose, swapaxes, mT) that keeps the
@@ -1313,11 +1318,6 @@ def _join_read(func: Callable) -> Callable:
 
 T = torch.Tensor
 _UNBIND = frozenset({torch.unbind, T.unbind})
-_EXPANDS = frozenset({T.expand})
-_RESHAPES = (
-    T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.unflatten, torch.unflatten,
-    T.squeeze, torch.squeeze, T.unsqueeze, torch.unsqueeze, T.expand,
-)  # fmt: skip
 READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.sum, T.sum), AttentionWeights.sum),
     **dict.fromkeys((torch.mean, T.mean), AttentionWeights.mean),
@@ -1333,7 +1333,7 @@ READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.select, T.select), _select),
     **dict.fromkeys((torch.narrow, T.narrow), _narrow),
     **{f: _pieces(f) for f in (torch.unbind, T.unbind, torch.split, T.split, torch.chunk, T.chunk)},
-    **{f: _reshape_read(f) for f in _RESHAPES},
+    **{f: _reshape_read(f) for f in RESHAPES},
     torch.stack: _join_read(torch.stack),
     torch.cat: _join_read(torch.cat),
     **dict.fromkeys((torch.detach, T.detach, T.data.__get__), AttentionWeights.detach),
