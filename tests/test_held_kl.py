@@ -97,6 +97,23 @@ def test_a_weight_that_underflowed_takes_the_tiles(monkeypatch):
     torch.testing.assert_close(value, ws.kl(wt))
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_nan_weight_makes_its_row_nan_as_the_dense_kl(gen, reverse):
+    """A NaN in the teacher's q: its row of weights is NaN, and so is that row's KL on
+    either side of it (the dense formula's answer; the kept path once read 0 there)."""
+    q, k, v, _ = make_inputs(gen, B=1, Hq=2, L=6, S=7)
+    qt = q.clone()
+    qt[0, 1, 3, 0] = float("nan")
+    ws, wt = sdpa.attention(q, k, v).weights, sdpa.attention(qt, k, v).weights
+    assert ws._held() is not None and wt._held() is not None
+    value = ws.kl(wt, reverse=reverse)
+    ps, pt = ws.full().double(), wt.full().double()
+    first, second = (ps, pt) if reverse else (pt, ps)
+    want = (first * (first.log() - second.log())).sum(-1)
+    assert value[0, 1, 3].isnan() and want[0, 1, 3].isnan()
+    torch.testing.assert_close(value.double(), want, atol=1e-6, rtol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("read", ["entropy", "full", "sum over queries", "kl"])
 def test_kept_reads_of_a_self_relation_count_its_tensor_once(read):
     """attention(x, x, x) (MiniLM's relations: q, k and v one tensor): a read of the kept

@@ -556,11 +556,13 @@ class _Reads(Lazy):
             if torch.is_grad_enabled() and other._needs() is not None:
                 theirs = other._held(grad=True)
             first, second = (mine, theirs) if reverse else (theirs, mine)
-            seen = first > 0  # (0 log 0 = 0; the logs of 1 elsewhere keep gradients finite)
+            # where the first is 0 both logs are of 1: its term 0 x 0 = 0 (0 log 0 = 0),
+            # gradients finite; a NaN weight stays NaN (the tiles then)
+            seen = first > 0
             terms = first * (
                 torch.where(seen, first, 1.0).log() - torch.where(seen, second, 1.0).log()
             )
-            value = torch.where(seen, terms, 0.0).sum(dim=-1)  # (B, Hq, L)
+            value = terms.sum(dim=-1)  # (B, Hq, L)
         if not bool(value.detach().isfinite().all()):  # (one host read of B x Hq x L)
             return None
         read = rows.read_rows(rows.query_spans(self._inputs), real)
