@@ -254,10 +254,14 @@ def _sub_rows(rows: slice | torch.Tensor, L: int, r0: int, r1: int) -> slice | t
 
 def _step(r: Rows, n: int, m: int, budget: int) -> tuple[bool, int]:
     """(whole, rows per tile) of tiles over n rows and m keys: a whole batch element (all
-    selected heads and rows) when it fits in `budget` bytes, else row chunks of one
-    head."""
+    selected heads and rows) when it fits in STRETCH x `budget` bytes, the budget taken
+    at most the settings' chunk_bytes (a statistic's stretched budget folds no more),
+    for one tile's ops for every head (a dozen ops per tile whatever its size, each a
+    parallel region that waits for every thread, which a busy machine stretches); else
+    row chunks of one head within `budget`."""
     H = r.shape[1]
-    whole = tile.chunk_rows(H, m, r.dtype, budget=budget) >= n
+    fold = STRETCH * min(budget, settings.get().chunk_bytes)
+    whole = tile.chunk_rows(H, m, r.dtype, budget=fold) >= n
     return whole, n if whole else tile.chunk_rows(1, m, r.dtype, budget=budget)
 
 
