@@ -410,16 +410,19 @@ def test_statistics_take_the_chunked_path_in_tiles(gen):
         torch.testing.assert_close(rows.dense(r).double(), ref_p, atol=2e-5, rtol=0)
 
 
-def test_a_batch_elements_heads_fold_into_one_tile_within_stretch_times_the_budget(gen):
+def test_a_batch_elements_heads_fold_into_one_tile_within_fold_times_the_budget(gen):
     """Tiles are planned for few, large operations: every head of a batch element in one
-    tile where their weights fit in rows.STRETCH x the budget (a dozen ops per tile, each
-    a parallel region), else row chunks of one head within the budget; same answers."""
+    tile where their complete rows fit in rows.FOLD x the budget (a dozen ops per tile,
+    each a parallel region), else row chunks of one head within the budget; same
+    answers. A selection of keys folds only within the budget itself."""
     q, k, v, _ = make_inputs(gen, B=2, Hq=4, Hkv=2, L=50, S=70)
     r = sdpa.attention(q, k, v).weights._every_row()
     element = 4 * 50 * 70 * 4  # bytes of one batch element's weights, every head
+    keys = r._replace(keys=slice(0, 35))  # half the keys: 28,000 bytes, every head
+    assert len(list(rows.tiles(keys, element // rows.FOLD))) == 2 * 4
     ref_p = oracle(q, k, v, None)[1]
     ref_entropy = dense_stats(ref_p, 4)[2]
-    for budget, count in ((element // rows.STRETCH, 2), (element // rows.STRETCH - 4, 2 * 4 * 2)):
+    for budget, count in ((element // rows.FOLD, 2), (element // rows.FOLD - 4, 2 * 4 * 2)):
         assert len(list(rows.tiles(r, budget))) == count, budget  # (folded; 49 + 1 rows)
         with sdpa.settings.override(chunk_bytes=budget):
             torch.testing.assert_close(rows.dense(r).double(), ref_p, atol=2e-6, rtol=0)

@@ -254,13 +254,14 @@ def _sub_rows(rows: slice | torch.Tensor, L: int, r0: int, r1: int) -> slice | t
 
 def _step(r: Rows, n: int, m: int, budget: int) -> tuple[bool, int]:
     """(whole, rows per tile) of tiles over n rows and m keys: a whole batch element (all
-    selected heads and rows) when it fits in STRETCH x `budget` bytes, the budget taken
-    at most the settings' chunk_bytes (a statistic's stretched budget folds no more),
-    for one tile's ops for every head (a dozen ops per tile whatever its size, each a
-    parallel region that waits for every thread, which a busy machine stretches); else
-    row chunks of one head within `budget`."""
+    selected heads and rows) when it fits in `budget` bytes or, for complete rows (the
+    KL reads, statistics and backward a training step makes), in FOLD x `budget`, the
+    budget taken at most the settings' chunk_bytes (a statistic's stretched budget
+    folds no more): one tile's ops for every head (a dozen ops per tile whatever its
+    size, each a parallel region that waits for every thread, which a busy machine
+    stretches); else row chunks of one head within `budget`."""
     H = r.shape[1]
-    fold = STRETCH * min(budget, settings.get().chunk_bytes)
+    fold = max(budget, FOLD * min(budget, settings.get().chunk_bytes)) if r.complete else budget
     whole = tile.chunk_rows(H, m, r.dtype, budget=fold) >= n
     return whole, n if whole else tile.chunk_rows(1, m, r.dtype, budget=budget)
 
@@ -410,6 +411,11 @@ def scratch(r: Rows, budget: int) -> torch.Tensor:
 # top-8 2.05x; 16 MiB (256 rows) 1.47x, 1.11x and 1.50x; at (1, 4, 4096, 32) 4 MiB is
 # 256 rows already.
 STAT_ROWS, STRETCH = 256, 4
+# The heads of a batch element's complete rows fold into one tile within FOLD times
+# chunk_bytes (_step): an 8 x 512 distillation step made 66,099 aten ops with per-head
+# tiles, 26,095 with FOLD 4 (45,763 with 2). Selections of keys do not fold: a 16384-key
+# read of 50 key columns of three heads went past 64 MiB of peak memory with them.
+FOLD = 4
 
 
 def stat_budget(r: Rows) -> int:
