@@ -11,7 +11,10 @@ from __future__ import annotations
 import copy
 import io
 import math
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,13 +174,13 @@ def test_activation_cache_calls(pair):
         _, c0 = eager.run_with_cache(ids, names_filter=PATTERNS)
         _, c1 = ours.run_with_cache(ids, names_filter=PATTERNS)
     stack = c1.stack_activation("pattern")
-    assert isinstance(stack, deferred.LazyStack)
+    assert isinstance(stack, sdpa.AttentionWeights)  # (the layers as one lazy handle)
     close(stack, c0.stack_activation("pattern"))
     close(stack[1, 2, 0, -1], c0.stack_activation("pattern")[1, 2, 0, -1])
     close(stack.sum(dim=-2), c0.stack_activation("pattern").sum(-2))
     for batch in ([0, 2], (1, 3), 1):
         s0, s1 = c0.apply_slice_to_batch_dim(batch), c1.apply_slice_to_batch_dim(batch)
-        assert isinstance(s1["pattern", 0], sdpa_tl.LazyPattern)
+        assert isinstance(s1["pattern", 0], sdpa.AttentionWeights)  # (a lead view)
         close(s1["pattern", 0], s0["pattern", 0])
         close(s1["pattern", 0].sum(dim=-2), s0["pattern", 0].sum(-2))
     close(c1.to("cpu")["pattern", 1], c0.to("cpu")["pattern", 1])
@@ -296,8 +299,27 @@ def test_a_cached_patterns_diagonal_is_lazy(caches):
         torch.diagonal(p[0], -1, -2, -1), p[:, 2].diagonal(offset=5, dim1=-2, dim2=-1)
     assert seen.made == 0
     with _Scores(L, L) as seen:
-        p[0] * 1  # (the check sees a dense read)
+        torch.cumsum(p[0], -1)  # (the check sees a dense read)
     assert seen.made >= 1
+
+
+def test_a_cache_made_with_gradients_on_reads_as_eager(pair):
+    """A cache made outside no_grad (the model's weights require grad; TransformerLens
+    caches detached values): numpy, deepcopy, printing and full() of a cached pattern
+    work as on eager; full() and numpy are dense tensors of your own."""
+    eager, ours = pair
+    ids = tokens(B=1, L=40)
+    c0 = eager.run_with_cache(ids, names_filter=PATTERNS)[1]
+    c1 = ours.run_with_cache(ids, names_filter=PATTERNS)[1]
+    want, got = c0["pattern", 1], c1["pattern", 1]
+    assert not got.requires_grad and not want.requires_grad
+    close(torch.from_numpy(got[0, 2].numpy()), want[0, 2])
+    close(torch.from_numpy(got.numpy()), want)
+    close(copy.deepcopy(got), want)
+    dense = got.full()
+    assert type(dense) is torch.Tensor and not dense.requires_grad
+    close(dense, want)
+    assert str(got[0, 0]).startswith("tensor([[") and "LazyPattern" not in repr(got)
 
 
 def test_dense_needs_the_budget(llama_path, tok):
@@ -308,8 +330,11 @@ def test_dense_needs_the_budget(llama_path, tok):
     assert p[0, 0, 5].shape == (64,)  # rows are within the budget
     with pytest.raises(sdpa.WeightsTooLargeError, match=r"max_bytes=4,096.*rows"):
         p.numpy()  # circuitsvis and numpy need every value
-    with pytest.raises(sdpa.WeightsTooLargeError):
-        p * 2
+    with pytest.raises(sdpa.WeightsTooLargeError, match=r"max_bytes=4,096"):
+        torch.cumsum(p, -1)  # (no lazy read: the dense weights, past the budget)
+    doubled = p * 2  # a lazy chain: nothing dense, so nothing refused
+    assert isinstance(doubled, LazyExpr)
+    close(doubled.sum(-1), 2 * p.full(max_bytes=None).sum(-1))
     assert p.full(max_bytes=None).shape == (1, 4, 64, 64)
     with pytest.raises(sdpa.SdpaTypeError, match="in place"):
         p[0, 0, 0] = 1.0
@@ -627,3 +652,58 @@ def test_in_place_refusal_names_the_bridge_and_line(llama_path, tok, pair, monke
         want, got = eager(ids), ours(ids)
     close(got, want)
     assert sorted(sdpa_tl.unfused(ours)) == ["blocks.0.attn", "blocks.1.attn"]
+
+
+# A fresh process: a cached pattern of 16384 tokens (a one-layer Llama of 2 heads; its
+# dense pattern is 2 GiB in float32) and the O(L) reads people make of it; it prints the
+# peak's rise over the baseline taken after the forward (per read on stderr)
+CACHE_PEAK_CHILD = """
+import sys, warnings, torch
+sys.path[:0] = [TESTS]
+import tl_zoo
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformer_lens.model_bridge import TransformerBridge
+from sdpa.integrations import transformer_lens as sdpa_tl
+from sdpa.measure import peak_rss_kib
+tl_zoo.no_installs()
+tok = tl_zoo.tokenizer()
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+    max_position_embeddings=16384)
+LlamaForCausalLM(config).save_pretrained(FOLDER)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    bridge = TransformerBridge.boot_transformers(FOLDER, tokenizer=tok, device="cpu")
+sdpa_tl.use_sdpa(bridge)
+ids = torch.randint(1000, 20000, (1, 16384), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    _, cache = bridge.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
+p = cache["pattern", 0]
+base = peak_rss_kib()
+READS = {
+    "previous-token diagonal": lambda: torch.diagonal(p[0], -1, -2, -1),
+    "induction diagonal": lambda: p[0].diagonal(offset=-5, dim1=-2, dim2=-1),
+    "a row of the head mean": lambda: p.mean(1)[0, 5],
+    "keys over 0.1 per row": lambda: (p > 0.1).sum(-1),
+    "attention received": lambda: p.sum(dim=-2),
+    "top 2 keys": lambda: p.topk(2).values,
+    "a row as numpy": lambda: p[0, 1, 7].numpy(),
+}
+for name, read in READS.items():
+    read()
+    print(f"{name}: {(peak_rss_kib() - base) / 1024:.1f} MiB", file=sys.stderr)
+print((peak_rss_kib() - base) / 1024)
+"""
+
+
+def test_the_reads_of_a_cached_pattern_of_16384_tokens_stay_under_64_mib(tmp_path):
+    """Previous-token and induction diagonals, a head mean's row, a lazy chain's count,
+    attention received, top-k and a row through numpy, of a cached pattern of 16384
+    tokens in a fresh process: below 64 MiB over the forward (the pattern: 2 GiB)."""
+    child = CACHE_PEAK_CHILD.replace("TESTS", repr(str(Path(__file__).parent)))
+    child = child.replace("FOLDER", repr(str(tmp_path / "llama")))
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    mib = float(done.stdout.strip().splitlines()[-1])
+    assert mib < 64, done.stderr

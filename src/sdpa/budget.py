@@ -2,19 +2,43 @@
 
 `AttentionWeights.full()` and `Mask.materialize()` refuse, before allocating, a result
 over `max_bytes` (default DEFAULT_MAX_BYTES, 1 GiB); None lifts the limit.
-`release_freed()` keeps chunked work under autograd at a chunk's memory. Lowest layer:
-imports only sdpa.errors.
+`release_freed()` keeps chunked work under autograd at a chunk's memory. An op that
+takes a lazy tensor's dense value (`w * m` past what is lazy, `w.numpy()`) checks
+`dense_limit()`: DEFAULT_MAX_BYTES, or the limit a caller set around it with
+`dense_limited` (a TransformerLens bridge's `max_dense_bytes`). Lowest layer: imports
+only sdpa.errors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import math
+from collections.abc import Iterator
 
 from sdpa.errors import SdpaTypeError, WeightsTooLargeError
 
 GIB = 2**30
 DEFAULT_MAX_BYTES = GIB  # a default argument (pass max_bytes per call), not a setting
+_DENSE_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "sdpa_dense_limit", default=DEFAULT_MAX_BYTES
+)
+
+
+def dense_limit() -> int | None:
+    """The bytes an op may take for a lazy tensor's dense value here (None: no limit)."""
+    return _DENSE_LIMIT.get()
+
+
+@contextlib.contextmanager
+def dense_limited(max_bytes: int | None) -> Iterator[None]:
+    """Within the block, ops that take a lazy tensor's dense value refuse past max_bytes."""
+    token = _DENSE_LIMIT.set(check_max_bytes(max_bytes))
+    try:
+        yield
+    finally:
+        _DENSE_LIMIT.reset(token)
 
 
 def check_max_bytes(max_bytes: object) -> int | None:

@@ -43,7 +43,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sdpa import indexing, settings, tile
-from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, release_freed
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, dense_limit, release_freed
 from sdpa.errors import NotSupportedError, StaleWeightsError
 
 T = torch.Tensor
@@ -381,14 +381,14 @@ class LazyExpr(LazyTensor):
         return self._apply(lambda a: a._dense("an op") if isinstance(a, LazyTensor) else a)
 
     def _dense(self, op: str) -> torch.Tensor:
-        """The dense value for an op nothing lazy answers, within the default budget;
+        """The dense value for an op nothing lazy answers, within budget.dense_limit();
         past it WeightsTooLargeError naming the op and the lazy reads."""
         dtype = metadata(T.dtype.__get__, (self,), {})
         check_fits(
             f"{op} on a lazy expression of the weights takes its dense value in {dtype}: it",
             self._shape(),
             max(4, dtype.itemsize),
-            DEFAULT_MAX_BYTES,
+            dense_limit(),
             LAZY_READS + "; or w.full(max_bytes=None) and the op on it",
         )
         return self._value()
@@ -964,7 +964,7 @@ class _Combined:
 def _result_fits(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
     check_fits(
         f"{what} of a lazy expression of the weights: its result", shape, max(1, dtype.itemsize),
-        DEFAULT_MAX_BYTES, LAZY_READS,
+        dense_limit(), LAZY_READS,
     )  # fmt: skip
 
 

@@ -204,10 +204,10 @@ def _joined_mask(parts: list[Inputs]) -> object:
     """The parts' masks for their rows one after another along the batch dim, or
     _NO_JOIN: the same mask object (no batch dim of its own) is kept; tensor masks are
     concatenated (each expanded to its part's batch: a copy of the masks' own rows);
-    structured masks must be one object without a batch dim."""
+    structured masks must be one mask (masks.same) without a batch dim."""
     split = [masks.split(p.mask) for p in parts]
     tensors, structured = [t for t, _ in split], [s for _, s in split]
-    if not all(s is structured[0] for s in structured) or (
+    if not all(masks.same(s, structured[0]) for s in structured) or (
         structured[0] is not None and structured[0].batch is not None
     ):
         return _NO_JOIN

@@ -367,6 +367,17 @@ def state_of(mask: object) -> object:
     return mask
 
 
+def same(a: object, b: object) -> bool:
+    """Whether two structured masks (or None) are one mask: the same object, or equal
+    states free of tensors (two causal masks made apart, a detached handle's copy).
+    Masks holding tensors are one mask only as one object (no values are compared)."""
+    if a is b:
+        return True
+    sa, sb = state_of(a), state_of(b)
+    flat = torch.utils._pytree.tree_leaves((sa, sb))
+    return isinstance(sa, tuple) and not any(isinstance(t, torch.Tensor) for t in flat) and sa == sb
+
+
 def from_state(state: object) -> object:
     """state_of's inverse (top-left causality comes back as the one TOP_LEFT)."""
     if not isinstance(state, tuple):

@@ -34,7 +34,7 @@ import torch
 from sdpa import grads, indexing, kernels, leads, masks, rows, settings, tile
 from sdpa.backends import BACKENDS, small
 from sdpa.backends.reference import Reference
-from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes, dense_limit
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
 from sdpa.inputs import Inputs, check_flag, compute_dtype, empty, no_autocast
 from sdpa.lazy import (
@@ -916,13 +916,13 @@ class _Reads(Lazy):
         return self.to(where, non_blocking=non_blocking, memory_format=memory_format)
 
     def _dense(self, op: str) -> torch.Tensor:
-        """The dense weights for an op no lazy read answers, within the default budget;
+        """The dense weights for an op no lazy read answers, within budget.dense_limit();
         past it WeightsTooLargeError naming the op and the lazy reads."""
         check_fits(
             f"{op} on AttentionWeights takes the dense weights in {self.dtype}: they",
             tuple(self._inputs.shape),
             torch.finfo(self.dtype).bits // 8,
-            DEFAULT_MAX_BYTES,
+            dense_limit(),
             LAZY_READS + "; or w.full(max_bytes=None)",
         )
         return self._full(DEFAULT_MAX_BYTES, give=False)

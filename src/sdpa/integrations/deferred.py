@@ -11,8 +11,14 @@ softmax turns it into a `LazyPattern`, and the product with the values runs
 A deferred tensor is a torch.Tensor (a wrapper subclass with the right shape, dtype and
 device). Any op it does not answer itself computes the dense values by replaying the
 recorded ops on real tensors: exactly what eager computes (inside a forward with no
-limit, as eager would; outside, within `max_bytes`, else WeightsTooLargeError). What it
-answers itself, outside a forward (a cached pattern):
+limit, as eager would; outside, within `max_bytes`, else WeightsTooLargeError).
+
+Outside a forward, a pattern that sdpa's weights equal (no edit, no row where eager and
+sdpa differ: `Node.fused`) is its weights: every op on it runs on the call's
+AttentionWeights, viewed and converted as the pattern is (`_weights_view`), so the one
+table of reads, views and lazy chains in sdpa.weights / sdpa.lazy answers it. What any
+other deferred tensor answers itself (scores, edited patterns, a sink column, eager's
+rows that see no key):
 
     p[b, h]              a lazy view (lead dims chosen, every query and key)
     p[b, h, i]           rows, O(rows x S): from the fused weights, or replayed rows
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import math
 import os
 import sys
@@ -54,7 +61,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from sdpa import indexing, masks
-from sdpa.budget import DEFAULT_MAX_BYTES, check_fits
+from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, dense_limited
 from sdpa.errors import (
     NotSupportedError,
     SdpaTypeError,
@@ -119,7 +126,6 @@ INVERT = _ops("__invert__", "logical_not", "bitwise_not")
 TRIL = _ops("tril")
 STACK = frozenset({torch.stack})
 SAME = _ops("contiguous")  # a no-op on a value nobody writes
-DIAGONAL = _ops("diagonal")
 METADATA = _ops(
     "size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride",
     "is_contiguous", "nelement", "ndimension", "get_device", "has_names", "is_signed",
@@ -533,6 +539,12 @@ class Deferred(torch.Tensor):
         pass
 
     def __repr__(self, *, tensor_contents=None) -> str:
+        """What torch prints for the dense tensor where the weights answer (computed from
+        the rows shown), else a summary that computes nothing."""
+        with contextlib.suppress(StaleWeightsError):  # (a stale one: the summary)
+            view = _weights_view(self)
+            if view is not None:
+                return repr(view)
         what = getattr(self._node, "kind", "stack")
         how = (
             "dense (changed in place): eager's values"
@@ -568,6 +580,9 @@ class Deferred(torch.Tensor):
         (None: no limit)."""
         if isinstance(self._node, Dense):
             return self._node.t.clone()
+        view = _weights_view(self)
+        if view is not None:
+            return view.full(max_bytes)
         return self._dense(max_bytes)
 
     def entropy(self) -> T:
@@ -575,6 +590,9 @@ class Deferred(torch.Tensor):
         if isinstance(self._node, Dense):
             p = self._node.t
             return -(p * p.clamp_min(torch.finfo(p.dtype).tiny).log()).sum(dim=-1)
+        view = _weights_view(self)
+        if isinstance(view, AttentionWeights):
+            return view.entropy()
         return self._reduce("entropy")
 
     # -- the dispatch --
@@ -590,6 +608,10 @@ class Deferred(torch.Tensor):
         elif func in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if not in_forward():
+            handed = _on_weights(func, args, kwargs)
+            if handed is not NotImplemented:
+                return handed
         if func is T.__repr__ or func is T.__format__:
             return Deferred.__repr__(args[0])
         handled = _handle(func, args, kwargs)
@@ -641,10 +663,74 @@ class Deferred(torch.Tensor):
                 return torch.stack([item._dense(None) for item in node.items], dim=0)
             if isinstance(node, Marker):
                 return self._convert(node.build())
-            return self._convert(_squeeze(_rows(node, self._lead, None, None), self._lead))
+            t = _squeeze(_rows(node, self._lead, None, None), self._lead)
+            return self._convert(t.full(None) if isinstance(t, LazyTensor) else t)
 
     def _reduce(self, what: str, dim: int | None = None, k: int = 0) -> object:
         return _reduce(self, what, dim, k)
+
+
+def _weights_view(x: Deferred) -> T | None:
+    """x as the weights' own lazy tensor, outside a forward, where x is a fused pattern
+    (sdpa's weights equal it): the call's AttentionWeights (detached where x is), its
+    lead chosen and converted as x is; else None (x answers its reads itself)."""
+    node = x._node
+    if (
+        in_forward()
+        or not isinstance(node, Node)
+        or not node.fused
+        or node.folded
+        or len(node.shape) != 4
+    ):
+        return None
+    node.check_fresh()
+    w = node.call.get_weights()
+    if tuple(w.shape) != node.shape:
+        return None
+    if x._detached:
+        w = w.detach()
+    lead = x._lead
+    if lead is not None:
+        for dim, index in ((0, lead.b), (1, lead.h)):
+            if index is not None:
+                w = w[(slice(None),) * dim + (index,)]
+        for dim in sorted(lead.drop, reverse=True):
+            w = w.select(dim, 0)
+    if w.dtype != node.dtype:
+        w = w.to(node.dtype)
+    for device, dtype in x._to or ():
+        w = w.to(device=device, dtype=dtype)
+    if tuple(w.shape) != tuple(x.shape) or w.dtype != x.dtype or w.device != x.device:
+        return None  # (a safety net: the view must be x's own tensor)
+    return w
+
+
+def _on_weights(func, args, kwargs) -> object:
+    """func, outside a forward, with each fused pattern among its arguments as its
+    weights' lazy tensor (_weights_view): AttentionWeights' one table of reads, views,
+    lazy chains and dense ops answers, its dense values within the pattern's budget.
+    NotImplemented where an argument is not a fused pattern or func writes into one
+    (eager's dense values then take the write, see _record_in_place)."""
+    deferreds = [a for a in _flat((args, kwargs)) if isinstance(a, Deferred)]
+    if not deferreds or _written(func, args, kwargs):
+        return NotImplemented
+    views: dict[int, T] = {}
+    for a in deferreds:
+        view = _weights_view(a)
+        if view is None:
+            return NotImplemented
+        views[id(a)] = view
+    args, kwargs = torch.utils._pytree.tree_map(
+        lambda a: views[id(a)] if isinstance(a, Deferred) else a, (args, kwargs)
+    )
+    with dense_limited(deferreds[0]._budget):
+        name = getattr(func, "__name__", None)
+        own = getattr(type(args[0]), name, None) if args and name else None
+        if own is not None and getattr(T, name, None) is func and own is not func:
+            if name == "__deepcopy__":
+                return copy.deepcopy(args[0], *args[1:])
+            return own(*args, **kwargs)  # (the lazy tensor's own method: w.detach())
+        return func(*args, **kwargs)
 
 
 def _sink_column(node: object) -> bool:
@@ -681,11 +767,9 @@ class LazyPattern(Deferred):
         mask, the LSE: O(L x E), not L x S) and load as its AttentionWeights, which reads
         as this pattern (torch.load(..., weights_only=True) too); any other pattern (a
         view, a conversion, edits, a sink column) saves its values."""
-        node = self._node
-        if isinstance(node, Node) and node.fused and self._lead is None and self._to is None:
-            w = self.weights
-            if tuple(w.shape) == tuple(self.shape) and w.dtype == self.dtype:
-                return w.__reduce_ex__(protocol)
+        view = _weights_view(self)
+        if isinstance(view, AttentionWeights):
+            return view.__reduce_ex__(protocol)
         return super().__reduce_ex__(protocol)
 
 
@@ -913,8 +997,6 @@ def _handle(func, args, kwargs) -> object:
         return NotImplemented  # inside a forward a read of the scores is eager's, exactly
     if func is T.__getitem__:
         return _getitem(first, args[1])
-    if func in DIAGONAL and len(args) <= 4 and set(kwargs) <= {"offset", "dim1", "dim2"}:
-        return _diagonal(first, *args[1:], **kwargs)
     if first._lead is None and first._to is None:
         if node.kind == "scores":
             got = _score_op(first, func, args, kwargs)
@@ -1715,28 +1797,6 @@ def _getitem(x: Deferred, index: object) -> object:
     if isinstance(keys, int):
         t = t.squeeze(-1)
     return x._convert(t)
-
-
-def _diagonal(x: Deferred, offset: int = 0, dim1: int = 0, dim2: int = 1) -> object:
-    """torch.diagonal over the query and key dims of a fused pattern's view (the
-    previous-token and induction scores): AttentionWeights' lazy diagonal of the whole
-    call, O(B x H x L x E), restricted to the view's lead; else NotImplemented (eager's,
-    on the dense values)."""
-    node: Node = x._node
-    nd = x.ndim
-    if (
-        not node.fused
-        or x._casts()
-        or in_forward()
-        or isinstance(offset, bool)
-        or not isinstance(offset, int)
-        or not all(isinstance(d, int) and -nd <= d < nd for d in (dim1, dim2))
-        or (dim1 % nd, dim2 % nd) != (nd - 2, nd - 1)
-    ):
-        return NotImplemented
-    with _grad(x):
-        whole = torch.diagonal(node.call.get_weights(), offset, -2, -1)  # (B, H, n)
-    return x._convert(_lead_of(whole, x._lead, tail=1))
 
 
 def _is_whole(index: object, shape: tuple[int, ...]) -> bool:

@@ -38,11 +38,13 @@ the output, on eager and here alike) and hook_attn_scores gets the pattern, as o
 use_sdpa checks each native attention fuses (one 3-token forward, its hooks set aside)
 and refuses the bridge, naming the layer and the op, where one would run eagerly.
 
-`cache["pattern", layer]` is a LazyPattern: a torch.Tensor subclass, not the
-AttentionWeights handle itself (its `.weights` is that handle). Code that needs a dense
-tensor (circuitsvis, numpy) gets one from any op it applies, within `max_dense_bytes`
-(default 1 GiB, per use_sdpa call), else a WeightsTooLargeError that says what to read
-instead; `p.full(max_bytes=None)` lifts the limit. Rows that see no key at all (padding)
+`cache["pattern", layer]` is a LazyPattern: a torch.Tensor subclass (its `.weights` is
+the call's AttentionWeights); where those weights are the pattern, every op on it is
+theirs (lazy reads, views and chains; sdpa.integrations.deferred). Code that needs a
+dense tensor (circuitsvis, numpy) gets one from any op it applies, within
+`max_dense_bytes` (default 1 GiB, per use_sdpa call; ops on the cached pattern itself),
+else a WeightsTooLargeError that says what to read instead; `p.full(max_bytes=None)`
+lifts the limit. Rows that see no key at all (padding)
 have weights 0 here; TransformerLens' default mode gives them uniform weights.
 """
 
