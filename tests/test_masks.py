@@ -369,3 +369,16 @@ def test_a_batch_that_sees_nothing_keeps_its_graph(gen, engine):
         assert out.requires_grad and torch.equal(out, torch.zeros_like(out))
         out.sum().backward()
         assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in ts)
+
+
+def test_masks_same_is_one_mask_by_state_without_tensors_and_by_object_with_them():
+    """masks.same: causal or window masks made apart are one mask (the layers of a capture
+    then stack as one lazy handle); masks holding tensors are one only as one object."""
+    assert masks.same(None, None) and masks.same(masks.causal(), masks.causal())
+    assert masks.same(masks.sliding_window(4), masks.sliding_window(4))
+    assert not masks.same(masks.causal(), masks.sliding_window(4))
+    assert not masks.same(masks.sliding_window(4), masks.sliding_window(5))
+    assert not masks.same(masks.causal(), None)
+    assert not masks.same(masks.causal(align="top-left"), masks.causal())
+    pad = masks.padding(torch.tensor([3, 5]))
+    assert masks.same(pad, pad) and not masks.same(pad, masks.padding(torch.tensor([3, 5])))
