@@ -512,6 +512,7 @@ class Deferred(torch.Tensor):
     _source: Deferred | None
     _fn: Callable[[T], T] | None
     _views: dict[int, weakref.ref] | None
+    _weights: tuple[object, T | None] | None  # (the node it was made for, _weights_view)
 
     @staticmethod
     def __new__(cls, node, shape=None, dtype=None, device=None, lead=None, to=None,
@@ -523,7 +524,7 @@ class Deferred(torch.Tensor):
             cls, shape, dtype=dtype, device=device, requires_grad=False
         )
         t._node, t._lead, t._to, t._budget, t._detached = node, lead, to, budget, detached
-        t._source = t._fn = t._views = None
+        t._source = t._fn = t._views = t._weights = None
         return t
 
     def _derive(self, **changes) -> Deferred:
@@ -684,9 +685,20 @@ def _weights_view(x: Deferred) -> T | None:
     ):
         return None
     node.check_fresh()
+    made = x._weights
+    if made is None or made[0] is not node:  # (made once per node: x's reads reuse it)
+        made = x._weights = (node, _made_view(x, node))
+    return made[1]
+
+
+def _made_view(x: Deferred, node: Node) -> T | None:
+    """_weights_view's tensor for x over node (made once: its reads go stale with the
+    call's inputs, as the handle's do)."""
     w = node.call.get_weights()
-    if tuple(w.shape) != node.shape:
+    if tuple(w._inputs.shape) != node.shape:
         return None
+    if x._lead is None and x._to is None and w.dtype == node.dtype:
+        return w.detach() if x._detached else w
     if x._detached:
         w = w.detach()
     lead = x._lead
@@ -706,31 +718,48 @@ def _weights_view(x: Deferred) -> T | None:
 
 
 def _on_weights(func, args, kwargs) -> object:
-    """func, outside a forward, with each fused pattern among its arguments as its
-    weights' lazy tensor (_weights_view): AttentionWeights' one table of reads, views,
-    lazy chains and dense ops answers, its dense values within the pattern's budget.
-    NotImplemented where an argument is not a fused pattern or func writes into one
-    (eager's dense values then take the write, see _record_in_place)."""
-    deferreds = [a for a in _flat((args, kwargs)) if isinstance(a, Deferred)]
-    if not deferreds or _written(func, args, kwargs):
+    """func, outside a forward, with each fused pattern among its arguments (and in the
+    lists among them: torch.stack's) as its weights' lazy tensor (_weights_view):
+    AttentionWeights' one table of reads, views, lazy chains and dense ops answers, its
+    dense values within the pattern's budget. NotImplemented where an argument is not a
+    fused pattern or func writes into one (eager's dense values then take the write, see
+    _record_in_place)."""
+    if _inplace(func) or "out" in kwargs or kwargs.get("inplace") is True:
         return NotImplemented
     views: dict[int, T] = {}
-    for a in deferreds:
-        view = _weights_view(a)
-        if view is None:
-            return NotImplemented
-        views[id(a)] = view
-    args, kwargs = torch.utils._pytree.tree_map(
-        lambda a: views[id(a)] if isinstance(a, Deferred) else a, (args, kwargs)
-    )
-    with dense_limited(deferreds[0]._budget):
+    budget = DEFAULT_MAX_BYTES
+
+    def view_of(a: object) -> object:
+        nonlocal budget
+        if isinstance(a, Deferred):
+            got = _weights_view(a)
+            if got is None:
+                raise _NotFused
+            views[id(a)], budget = got, a._budget
+            return got
+        if isinstance(a, list | tuple) and any(isinstance(b, Deferred) for b in a):
+            return type(a)(view_of(b) for b in a)
+        return a
+
+    try:
+        args = tuple(view_of(a) for a in args)
+        kwargs = {k: view_of(a) for k, a in kwargs.items()} if kwargs else kwargs
+    except _NotFused:
+        return NotImplemented
+    if not views:
+        return NotImplemented
+    with dense_limited(budget):
         name = getattr(func, "__name__", None)
         own = getattr(type(args[0]), name, None) if args and name else None
-        if own is not None and getattr(T, name, None) is func and own is not func:
+        if own is not None and own is not func and getattr(T, name, None) is func:
             if name == "__deepcopy__":
                 return copy.deepcopy(args[0], *args[1:])
             return own(*args, **kwargs)  # (the lazy tensor's own method: w.detach())
         return func(*args, **kwargs)
+
+
+class _NotFused(Exception):
+    """An argument of an op is a deferred tensor that is not a fused pattern."""
 
 
 def _sink_column(node: object) -> bool:
