@@ -15,7 +15,14 @@ once put on sdpa (`use_sdpa`). At L = 512, 2048, 4096 and 8192 tokens (batch 1):
    against TransformerLens' `detect_head` (target: at most 0.5x at 4096), on a text of
    random words repeated twice;
 4. ablation: zero-ablating head 0 of layer 1 with a hook on hook_pattern (sdpa's
-   ZeroAblate edit on sdpa, the same edit densely on eager).
+   ZeroAblate edit on sdpa, the same edit densely on eager);
+5. diagonals: previous-token and induction scores as people write them,
+   `run_with_cache(hook_pattern)` then `torch.diagonal(cache["pattern", l][0], offset,
+   -2, -1)` for every layer at offsets -1 and -(L // 2), the whole task timed (target: at
+   most 0.5x eager's at 4096);
+6. diagonal step: those diagonals alone, on a cache made in setup, against `p.full()`
+   followed by `torch.diagonal` on the same cache (target: at most 0.05x at 4096; peak
+   memory shows that nothing L x L is made).
 
 Peak memory is measured in a fresh process per case and side (sdpa.benchmark).
 
@@ -174,6 +181,49 @@ def ablation(on_sdpa: bool, L: int):
     return setup
 
 
+def offsets(L: int) -> tuple[int, int]:
+    """The previous-token diagonal and an induction diagonal (half the text back)."""
+    return -1, -(L // 2)
+
+
+def diagonals(on_sdpa: bool, L: int):
+    def setup():
+        b, ids = bridge(on_sdpa), tokens(L)
+
+        def call():
+            with torch.no_grad():
+                _, c = b.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
+                return [
+                    torch.diagonal(c["pattern", layer][0], offset, -2, -1)
+                    for layer in range(LAYERS)
+                    for offset in offsets(L)
+                ]
+
+        return call
+
+    return setup
+
+
+def diagonal_step(dense: bool, L: int):
+    def setup():
+        b, ids = bridge(True), tokens(L)
+        with torch.no_grad():
+            _, c = b.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
+        patterns = [c["pattern", layer] for layer in range(LAYERS)]
+
+        def call():
+            with torch.no_grad():
+                out = []
+                for p in patterns:
+                    whole = p.full(max_bytes=None) if dense else p
+                    out += [torch.diagonal(whole[0], offset, -2, -1) for offset in offsets(L)]
+                return out
+
+        return call
+
+    return setup
+
+
 def _available() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -216,6 +266,19 @@ def comparisons() -> list[Comparison]:
         out.append(Comparison(f"ablation {L}", f"zero-ablate head 1.0, {shape}", "float32",
                               (f"{ours} + ZeroAblate", ablation(True, L)),
                               (f"{eager} + ZeroAblate", ablation(False, L)), length=L))  # fmt: skip
+        half = need // 2  # (eager's patterns alone)
+        if half < 0.7 * _available():
+            out.append(Comparison(
+                f"diagonals {L}", f"run_with_cache(patterns), then 2 diagonals a layer, {shape}",
+                "float32", (ours, diagonals(True, L)), (eager, diagonals(False, L)),
+                target=0.5 if L == 4096 else None, length=L,
+            ))  # fmt: skip
+        out.append(Comparison(
+            f"diagonal step {L}", f"2 diagonals a layer of a cached pattern, {shape}", "float32",
+            ("torch.diagonal(p[0], offset, -2, -1)", diagonal_step(False, L)),
+            ("p.full(), then torch.diagonal", diagonal_step(True, L)),
+            target=0.05 if L == 4096 else None, length=L,
+        ))  # fmt: skip
     return out
 
 

@@ -273,6 +273,7 @@ TABLES: dict[str, Table] = {
     "train-16384": comparisons("train_16384.json"),
     "interp": comparisons("interp.json"),
     "interp-8192": comparisons("interp_8192.json"),
+    "interp-diagonals": comparisons("interp_diagonals.json"),
     "distill": distill,
     "rollout": comparisons("rollout.json"),
     "kvpress": kvpress,
