@@ -465,3 +465,58 @@ def test_freeze_pattern_as_a_transformer_lens_hook(bridges):
     (q0, v0), (q1, v1) = grads
     torch.testing.assert_close(q1, q0, atol=1e-6, rtol=0)
     torch.testing.assert_close(v1, v0, atol=1e-6, rtol=0)
+
+
+# Reads people make of a cached pattern, on an edited one (as each bridge caches it)
+EDITED_READS = {
+    "a row": lambda p: p[0, 1, 5],
+    "row sums": lambda p: p.sum(-1),
+    "attention received": lambda p: p.sum(-2),
+    "head mean": lambda p: p.mean(1),
+    "top 3": lambda p: p.topk(3).values,
+    "previous token": lambda p: torch.diagonal(p[0], -1, -2, -1),
+    "numpy": lambda p: torch.from_numpy(p[1].numpy()),
+    "a head": lambda p: p[0, 1],
+    "bfloat16 row": lambda p: p.to(torch.bfloat16).float()[1, 0, 7],
+}
+
+
+def test_a_cached_edited_pattern_reads_as_eagers(bridges):
+    """run_with_cache under an edit's hooks caches the edited pattern; each read of it
+    equals eager's. ZeroAblate, ScaleHeads and a Compose of them are lazy expressions of
+    the call's weights (Edit.on_weights: every lazy read); the others read replayed
+    rows."""
+    from sdpa.integrations import deferred
+    from sdpa.lazy import LazyExpr
+
+    eager, ours = bridges
+    ids = torch.randint(1000, 20000, (2, L), generator=torch.Generator().manual_seed(3))
+    names = lambda n: n.endswith("hook_pattern")  # noqa: E731
+    with torch.no_grad():
+        _, r0 = eager.run_with_cache(ids.flip(0), names_filter=names)
+        _, r1 = ours.run_with_cache(ids.flip(0), names_filter=names)
+    pairs = {
+        "zero": ((edits.ZeroAblate([1, 3]),) * 2, True),
+        "scale": ((edits.ScaleHeads({0: 0.5, 2: 2.0}),) * 2, True),
+        "compose": ((edits.Compose(edits.ScaleHeads({0: 0.5}), edits.ZeroAblate([2])),) * 2, True),
+        "zero_pattern": ((edits.ZeroPattern(slice(100, None), [0, 1, 2]),) * 2, False),
+        "patch": (
+            (
+                edits.PatchPattern(r0["pattern", 1], heads=[0, 3]),
+                edits.PatchPattern(r1["pattern", 1], heads=[0, 3]),
+            ),
+            False,
+        ),
+    }
+    for name, ((e0, e1), lazy) in pairs.items():
+        with torch.no_grad():
+            with eager.hooks(fwd_hooks=e0.hooks(1)):
+                _, c0 = eager.run_with_cache(ids, names_filter=names)
+            with ours.hooks(fwd_hooks=e1.hooks(1)):
+                _, c1 = ours.run_with_cache(ids, names_filter=names)
+        want, got = c0["pattern", 1], c1["pattern", 1]
+        assert isinstance(got, deferred.LazyPattern) and got._node.edits, name
+        assert isinstance(got[0, 1], LazyExpr) == lazy, name
+        for read_name, read in EDITED_READS.items():
+            torch.testing.assert_close(deferred.dense_of(read(got), None), read(want),
+                                       atol=ATOL, rtol=0, msg=f"{name}: {read_name}")  # fmt: skip

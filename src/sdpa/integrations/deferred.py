@@ -673,13 +673,14 @@ class Deferred(torch.Tensor):
 
 def _weights_view(x: Deferred) -> T | None:
     """x as the weights' own lazy tensor, outside a forward, where x is a fused pattern
-    (sdpa's weights equal it): the call's AttentionWeights (detached where x is), its
-    lead chosen and converted as x is; else None (x answers its reads itself)."""
+    (sdpa's weights equal it) or one with edits that have a lazy form (Edit.on_weights):
+    the call's AttentionWeights (detached where x is), edited, its lead chosen and
+    converted as x is; else None (x answers its reads itself)."""
     node = x._node
     if (
         in_forward()
         or not isinstance(node, Node)
-        or not node.fused
+        or not (node.fused or (node.edits and replace(node, edits=()).fused))
         or node.folded
         or len(node.shape) != 4
     ):
@@ -697,10 +698,15 @@ def _made_view(x: Deferred, node: Node) -> T | None:
     w = node.call.get_weights()
     if tuple(w._inputs.shape) != node.shape:
         return None
-    if x._lead is None and x._to is None and w.dtype == node.dtype:
+    plain = not node.edits and x._lead is None and x._to is None and w.dtype == node.dtype
+    if plain:
         return w.detach() if x._detached else w
     if x._detached:
         w = w.detach()
+    for edit in node.edits:  # (an edit with a lazy form: ZeroAblate, ScaleHeads)
+        w = edit.on_weights(w)
+        if w is None:
+            return None
     lead = x._lead
     if lead is not None:
         for dim, index in ((0, lead.b), (1, lead.h)):

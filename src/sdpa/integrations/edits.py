@@ -127,6 +127,13 @@ class Edit:
         mask, scale=scale) would make, without its L x S pattern."""
         raise NotImplementedError
 
+    def on_weights(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The edited pattern as a lazy tensor of the weights w (B, H, L, S) (a lazy
+        expression: every read of it reads w's rows), or None where the edit has none
+        (then a cached edited pattern reads replayed rows: entries zeroed per query and
+        key, a dense source or mean)."""
+        return None
+
     def hooks(self, *layers: int) -> list[tuple[str, Edit]]:
         """TransformerLens fwd_hooks entries putting this edit on these layers."""
         return [(f"blocks.{layer}.attn.{self.point}", self) for layer in layers]
@@ -202,6 +209,9 @@ class ZeroAblate(Edit):
         out = attention(q, k, v, mask, scale=scale).output
         return out.masked_fill(_by_head(self._chosen(q.shape[-3], q.device)), 0.0)
 
+    def on_weights(self, w):
+        return w.masked_fill(_by_head(self._chosen(w.shape[-3], w.device)), 0.0)
+
 
 class ScaleHeads(Edit):
     """P -> a_h P for each head h: scales (H,) (a tensor or a list), or {head: a}."""
@@ -231,6 +241,9 @@ class ScaleHeads(Edit):
     def fused(self, q, k, v, mask=None, scale=None):
         out = attention(q, k, v, mask, scale=scale).output
         return out * self._factors(q.shape[-3], out.device, out.dtype)[:, None, None]
+
+    def on_weights(self, w):
+        return w * self._factors(w.shape[-3], w.device, w.dtype)[:, None, None]
 
 
 class KnockOut(Edit):
@@ -508,6 +521,15 @@ class Compose(Edit):
                 f"with .hooks(layer), which gives an entry for each"
             )
         return super().__call__(tensor, hook)
+
+    def on_weights(self, w):
+        if self.knockouts:
+            return None
+        for e in self.edits:
+            w = e.on_weights(w)
+            if w is None:
+                return None
+        return w
 
     def fused(self, q, k, v, mask=None, scale=None):
         H, L, S = q.shape[-3], q.shape[-2], k.shape[-2]
