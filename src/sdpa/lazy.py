@@ -427,16 +427,19 @@ class LazyExpr(LazyTensor):
         return LazyExpr(self._func, args, kwargs, shape, dtype, self.device, self._versions, False)
 
     def _lead_moved(self, new: tuple[int, ...], grow: bool) -> LazyTensor | None:
-        """The reshape (expand) of the leading dims pushed into the operands: each lazy
+        """The reshape (expand) to `new`, where it keeps the last two dims, pushed into
+        the operands (else None): each lazy
         one moved alike, each plain tensor's broadcast view moved (a copy only where its
         query and key dims are not both whole: O(lead x (L + S))); a transpose moves its
         weights with the last two dims swapped. None for a reduction over leading dims,
         or where an operand has no lazy form."""
         self._check_fresh()
         shape = self._shape()
+        if len(new) < 2 or new[-2:] != shape[-2:]:
+            return None
         if self._func is _transposed:
-            turned = (*new[:-2], new[-1], new[-2])
-            return transpose_or_none(self._args[0]._lead_moved(turned, grow))
+            turned = self._args[0]._lead_moved((*new[:-2], new[-1], new[-2]), grow)
+            return None if turned is None else transpose(turned)
         if isinstance(self._func, LeadReduction):
             return None
 
@@ -571,10 +574,6 @@ def transpose(x: LazyTensor) -> torch.Tensor:
     device = metadata(T.device.__get__, (x,), {})
     new = (*shape[:-2], shape[-1], shape[-2])
     return LazyExpr(_transposed, (x,), {}, new, dtype, device, (), torch.is_grad_enabled())
-
-
-def transpose_or_none(x: LazyTensor | None) -> torch.Tensor | None:
-    return None if x is None else transpose(x)
 
 
 def _plain_moved(
@@ -1156,20 +1155,22 @@ def _transpose_read(func: Callable) -> Callable:
     return read
 
 
-def _reshape_read(func: Callable) -> Callable:
-    def reshape(x: LazyExpr, *args: object, **kwargs: object) -> torch.Tensor:
-        """A reshape of the leading dims alone: the expression of its operands moved
-        (LazyExpr._lead_moved); any other the op on the dense value."""
+def reshape_read(func: Callable) -> Callable:
+    """The read of a view / reshape / flatten / unflatten / squeeze / unsqueeze / expand
+    of a lazy tensor (the handle or an expression): where torch's result (asked of a
+    meta tensor) keeps the query and key dims last and whole, the lazy tensor moved
+    (`_lead_moved`); else, and for view(dtype) (a reinterpretation), the op on the
+    dense value."""
+
+    def reshape(x: LazyTensor, *args: object, **kwargs: object) -> torch.Tensor:
         if not any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
             try:
                 new = tuple(func(_meta(x), *args, **kwargs).shape)
             except (RuntimeError, TypeError, IndexError, ValueError):
                 new = None
-            shape = x._shape()
-            if new is not None and len(new) >= 2 and new[-2:] == shape[-2:]:
-                moved = x._lead_moved(new, func in EXPANDS)
-                if moved is not None:
-                    return moved
+            moved = None if new is None else x._lead_moved(new, func in EXPANDS)
+            if moved is not None:
+                return moved
         return on_dense(func, (x, *args), kwargs)
 
     return reshape
@@ -1207,7 +1208,7 @@ EXPR_READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.matmul, T.matmul, T.__matmul__), _matmul),
     T.__rmatmul__: lambda a, b: _matmul(b, a),
     **{f: _transpose_read(f) for f in TRANSPOSES},
-    **{f: _reshape_read(f) for f in RESHAPES},
+    **{f: reshape_read(f) for f in RESHAPES},
     **dict.fromkeys((torch.detach, T.detach, T.data.__get__), LazyExpr.detach),
     T.requires_grad.__get__: LazyExpr.requires_grad.fget,
     T.contiguous: _same,

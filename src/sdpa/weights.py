@@ -38,7 +38,6 @@ from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, check_max_bytes, dense_li
 from sdpa.errors import NotSupportedError, SdpaTypeError, SdpaValueError, StaleWeightsError
 from sdpa.inputs import Inputs, check_flag, compute_dtype, empty, no_autocast
 from sdpa.lazy import (
-    EXPANDS,
     GRAD_OF_LAZY,
     LAZY_READS,
     METADATA,
@@ -56,6 +55,7 @@ from sdpa.lazy import (
     reduce_lead,
     reduction_of,
     refuses_grad,
+    reshape_read,
     transpose,
 )
 
@@ -1122,18 +1122,6 @@ class AttentionWeights(_Reads, LazyTensor):
         base._source = tuple(parts)  # (stale with any of them)
         return base._lead_view(*rows)
 
-    def _reshaped(self, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
-        """A view, reshape, flatten, unflatten, squeeze, unsqueeze or expand that keeps
-        the query and key dims last and whole: the lazy view of the rows in their new
-        leading shape (in torch's row-major order); any other the op on the dense
-        weights. The result's shape is torch's own (asked of a meta tensor)."""
-        try:
-            new = tuple(_meta_result(self, func, args, kwargs).shape)
-        except (RuntimeError, TypeError, IndexError):
-            new = None
-        view = None if new is None else self._lead_moved(new, func in EXPANDS)
-        return view if view is not None else on_dense(func, (self, *args), kwargs)
-
     def _lead_moved(self, new: tuple[int, ...], grow: bool) -> AttentionWeights | None:
         """The lazy view of the rows in the new leading shape `new[:-2]` (torch's
         row-major order; grow: an expand, rows repeat along the new dims), where `new`
@@ -1295,15 +1283,6 @@ def _pieces(func: Callable) -> Callable:
     return pieces
 
 
-def _reshape_read(func: Callable) -> Callable:
-    def reshape(w: AttentionWeights, *args: object, **kwargs: object) -> torch.Tensor:
-        if any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
-            return on_dense(func, (w, *args), kwargs)  # (view(dtype): a reinterpretation)
-        return w._reshaped(func, args, kwargs)
-
-    return reshape
-
-
 def _join_read(func: Callable) -> Callable:
     """torch.stack / torch.cat with handles: lazy over a leading dim (_joined), else the
     dense weights (out= refuses or writes as _on_dense says)."""
@@ -1335,7 +1314,7 @@ READS: dict[Callable, Callable] = {
     **dict.fromkeys((torch.select, T.select), _select),
     **dict.fromkeys((torch.narrow, T.narrow), _narrow),
     **{f: _pieces(f) for f in (torch.unbind, T.unbind, torch.split, T.split, torch.chunk, T.chunk)},
-    **{f: _reshape_read(f) for f in RESHAPES},
+    **{f: reshape_read(f) for f in RESHAPES},
     torch.stack: _join_read(torch.stack),
     torch.cat: _join_read(torch.cat),
     **dict.fromkeys((torch.detach, T.detach, T.data.__get__), AttentionWeights.detach),

@@ -60,7 +60,7 @@ from typing import NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sdpa import indexing, masks
+from sdpa import indexing, masks, settings, tile
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, dense_limited
 from sdpa.errors import (
     NotSupportedError,
@@ -79,7 +79,6 @@ T = torch.Tensor
 _SELF = object()  # where the deferred value goes in a recorded op's arguments
 _OF_CHAIN = ("dead", "nan", "rowmax", "rowargmax")  # markers of a chain's own value
 MASKED = -1e30  # a fill value at or below this masks the entry out (finfo.min, -inf)
-ROW_BYTES = 64 * 2**20  # rows read per chunk by the reductions of a lazy view
 
 _forward_depth: contextvars.ContextVar[int] = contextvars.ContextVar("sdpa_deferred", default=0)
 _active: contextvars.ContextVar[Intercept | None] = contextvars.ContextVar(
@@ -2008,25 +2007,15 @@ def _reduction(x: Deferred, func, args, kwargs) -> object:
 
 
 def _reduce(x: Deferred, what: str, dim: int | None = None, k: int = 0) -> object:
-    """A per-row or per-key statistic of the view: straight from AttentionWeights for a
-    fused pattern's whole call, else accumulated over row chunks."""
+    """A per-row or per-key statistic of the view, accumulated over chunks of its rows
+    (a fused pattern outside a forward is never here: its weights answer, see
+    _weights_view)."""
     node = x._node
     if not isinstance(node, Node):
         raise SdpaTypeError(f"{what} works on a deferred pattern, not on {type(x).__name__}")
     if what != "sum_keys" and what != "sum_rows" and node.kind != "pattern":
         raise SdpaValueError(f"{what} is a read of an attention pattern, not of the scores")
     with _grad(x):
-        if node.fused and x._lead is None and not x._casts():
-            w = node.call.get_weights()
-            if what == "sum_rows":
-                return x._convert(w.sum(dim=-2))
-            if what == "entropy":
-                return x._convert(w.entropy())
-            if what == "amax":
-                return x._convert(w.amax(dim=-1))
-            if what == "topk":
-                values, indices = w.topk(k)
-                return torch.return_types.topk((x._convert(values), indices))
         return _by_chunks(x, node, what, k)
 
 
@@ -2034,7 +2023,8 @@ def _by_chunks(x: Deferred, node: Node, what: str, k: int) -> object:
     L, S = node.shape[-2:]
     lead = x._lead
     n_lead = math.prod(_lead_sizes(node.shape, lead)[:-2]) or 1
-    step = max(1, ROW_BYTES // max(1, n_lead * S * 4))
+    # (the chunks of lazy expressions: settings' lazy_chunk_bytes, a row and a copy)
+    step = tile.chunk_rows(n_lead, S, torch.float32, 2, settings.get().lazy_chunk_bytes)
     acc, parts, idx = None, [], []
     casts = x._casts()  # then the rows are converted before they are reduced
     finish = (lambda t: t) if casts else x._convert
