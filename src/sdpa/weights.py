@@ -1183,9 +1183,30 @@ class AttentionWeights(_Reads, LazyTensor):
 class GraphWeights(_Reads):
     """The handle made inside a torch.compile region: the same recipe and reads as
     AttentionWeights, as a plain object, since dynamo cannot create a tensor subclass in
-    a graph. Its reads may graph-break (the rows engine runs eagerly); torch ops on it
-    (w * 2, torch.stack) are not taken: read it (w[...], w.sum(dim=-2), w.full()) or
-    return it from the compiled function and use it outside."""
+    a graph. Each read is one graph break (it runs eagerly, as a whole: dynamo traces
+    none of its Python, so no resume frames are compiled inside it and no tile loop
+    unrolls into a graph); torch ops on it (w * 2, torch.stack) are not taken: read it
+    (w[...], w.sum(dim=-2), w.full()) or return it from the compiled function and use it
+    outside."""
+
+    def _check_fresh(self) -> None:
+        """As AttentionWeights', from the version counters read at the handle's first
+        check outside the trace (a traced region has none to read, see _versions): a
+        read inside the compiled step, or after it returned the handle. A change made
+        between the end of the compiled call and that first read is not seen."""
+        if self._versions == (None, None, None) and not torch.compiler.is_compiling():
+            self._versions = versions_now(self._source)
+        super()._check_fresh()
+
+
+# the reads a compiled step makes of its handle, each run eagerly as a whole
+GRAPH_READS = (
+    "full", "__getitem__", "pairs", "diagonal", "kl", "score_errors", "__matmul__",
+    "__rmatmul__", "max_logits", "sum", "mean", "entropy", "amax", "amin", "max", "argmax",
+    "topk",
+)  # fmt: skip
+for _name in GRAPH_READS:
+    setattr(GraphWeights, _name, torch.compiler.disable(getattr(_Reads, _name)))
 
 
 def handle(
