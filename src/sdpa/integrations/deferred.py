@@ -333,17 +333,17 @@ class Node:
         return self.q is not None
 
     @property
+    def of_call(self) -> bool:
+        """Whether this pattern, its edits aside, is sdpa's weights of its call (to
+        rounding) in every row: no row that sees no key where eager and sdpa differ, and
+        a call (a pattern with a sink column, before the sink is dropped, has none: its
+        reads replay eager's rows)."""
+        return self.kind == "pattern" and self.dead == "sdpa" and self.call is not None
+
+    @property
     def fused(self) -> bool:
-        """Whether sdpa's weights equal this pattern (to rounding) in every row: no
-        edits, no row that sees no key where eager and sdpa differ, and a call (a
-        pattern with a sink column, before the sink is dropped, has none: its reads
-        replay eager's rows)."""
-        return (
-            self.kind == "pattern"
-            and not self.edits
-            and self.dead == "sdpa"
-            and self.call is not None
-        )
+        """Whether sdpa's weights equal this pattern in every row: of_call, no edits."""
+        return self.of_call and not self.edits
 
     def check_fresh(self) -> None:
         """Refuse where a tensor the recorded ops used (q, k, a mask) changed in place
@@ -679,7 +679,7 @@ def _weights_view(x: Deferred) -> T | None:
     if (
         in_forward()
         or not isinstance(node, Node)
-        or not (node.fused or (node.edits and replace(node, edits=()).fused))
+        or not node.of_call
         or node.folded
         or len(node.shape) != 4
     ):
@@ -731,16 +731,15 @@ def _on_weights(func, args, kwargs) -> object:
     _record_in_place)."""
     if _inplace(func) or "out" in kwargs or kwargs.get("inplace") is True:
         return NotImplemented
-    views: dict[int, T] = {}
-    budget = DEFAULT_MAX_BYTES
+    handed, budget = False, DEFAULT_MAX_BYTES  # (budget: the last pattern's handed over)
 
     def view_of(a: object) -> object:
-        nonlocal budget
+        nonlocal handed, budget
         if isinstance(a, Deferred):
             got = _weights_view(a)
             if got is None:
                 raise _NotFused
-            views[id(a)], budget = got, a._budget
+            handed, budget = True, a._budget
             return got
         if isinstance(a, list | tuple) and any(isinstance(b, Deferred) for b in a):
             return type(a)(view_of(b) for b in a)
@@ -751,7 +750,7 @@ def _on_weights(func, args, kwargs) -> object:
         kwargs = {k: view_of(a) for k, a in kwargs.items()} if kwargs else kwargs
     except _NotFused:
         return NotImplemented
-    if not views:
+    if not handed:
         return NotImplemented
     with dense_limited(budget):
         name = getattr(func, "__name__", None)
