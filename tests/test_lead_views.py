@@ -237,14 +237,25 @@ def test_a_stack_goes_stale_with_any_of_its_handles(gen):
         s[0, 0, 0, 1]
 
 
-def test_handles_of_other_kinds_stack_densely(gen):
-    """Calls with other scales, or over the query or key dims: the dense weights, as
-    torch stacks them."""
+def test_handles_of_other_kinds_stack_by_their_rows_and_over_keys_densely(gen):
+    """Calls with other scales over a leading dim: a lazy tensor of each call's rows
+    (sdpa.lazy_rows.join); over the query or key dims: the dense weights, as torch
+    stacks them."""
+    from sdpa.lazy_rows import LazyRows
+
     q, k, v, _ = make_inputs(gen, B=2, Hq=4, L=6, S=7)
     a = sdpa.attention(q, k, v).weights
     b = sdpa.attention(q, k, v, scale=0.3).weights
+    both = torch.stack([a, b])
+    assert isinstance(both, LazyRows)
+    want = torch.stack([a.full(), b.full()])
+    torch.testing.assert_close(both.full(), want)
+    torch.testing.assert_close(both[1, 0, 2, 3], want[1, 0, 2, 3])
+    torch.testing.assert_close(both.sum(-2), want.sum(-2))
+    torch.testing.assert_close(
+        torch.cat([a, b], 1)[:, 5].full(), torch.cat([want[0], want[1]], 1)[:, 5]
+    )
     for got, want in [
-        (torch.stack([a, b]), torch.stack([a.full(), b.full()])),
         (torch.cat([a, a], dim=-1), torch.cat([a.full(), a.full()], dim=-1)),
         (torch.stack([a, a], dim=3), torch.stack([a.full(), a.full()], dim=3)),
     ]:

@@ -322,6 +322,7 @@ class LazyExpr(LazyTensor):
     Shapes: (*lead, L, S) as the weights it is made of ((*lead, S, L) for a transpose)."""
 
     __slots__ = ("_args", "_func", "_grad", "_kwargs", "_versions")
+    _memo_reads = False  # (an expression is evaluated per read; a row source's reads kept)
 
     @staticmethod
     def __new__(cls, func, args, kwargs, shape, dtype, device, versions, grad):
@@ -375,6 +376,13 @@ class LazyExpr(LazyTensor):
 
     def _shape(self) -> tuple[int, ...]:
         return tuple(metadata(T.size, (self,), {}))
+
+    def _diagonal_read(self, offset: int) -> torch.Tensor:
+        """torch.diagonal(self, offset, -2, -1): the op on each operand's diagonal."""
+        if self._func is _transposed:
+            return torch.diagonal(self._args[0], -offset, -2, -1)
+        shape = self._shape()
+        return self._apply(lambda a: _diagonal_of(a, offset, shape))
 
     def _value(self) -> torch.Tensor:
         """The dense value (no budget check: _dense checks it first)."""
@@ -713,7 +721,7 @@ def transposes(func: Callable, x: LazyTensor, args: tuple, kwargs: dict) -> bool
 def _read(x: LazyTensor, index: tuple, memo: dict) -> torch.Tensor:
     """x[index], read once per evaluation: an expression evaluated within `memo`, the
     weights' read kept there by (x, index)."""
-    if isinstance(x, LazyExpr):
+    if isinstance(x, LazyExpr) and not x._memo_reads:
         return x._at(index, memo)
     key = (id(x), *(_hashable(i) for i in (index if isinstance(index, tuple) else (index,))))
     if key not in memo:
@@ -766,6 +774,8 @@ def _full_index(index: object, nd: int) -> tuple | None:
     indices or a second '...'."""
     out = []
     for i in indexing.spread(index, nd):
+        if type(i).__module__ == "numpy" and getattr(i, "ndim", 0) == 1:
+            i = torch.as_tensor(i)  # (positions as numpy gives them)
         if i is None or isinstance(i, slice) or _positions(i):
             out.append(i)
         elif _integer(i):
@@ -828,9 +838,7 @@ def _diagonal(x: LazyExpr, offset: int = 0, dim1: int = 0, dim2: int = 1) -> tor
     nd = len(shape)
     if (dim_of(dim1, nd), dim_of(dim2, nd)) != (nd - 2, nd - 1) or isinstance(offset, bool):
         return on_dense(T.diagonal, (x, offset, dim1, dim2), {})
-    if x._func is _transposed:
-        return torch.diagonal(x._args[0], -offset, -2, -1)
-    return x._apply(lambda a: _diagonal_of(a, offset, shape))
+    return x._diagonal_read(operator.index(offset))
 
 
 # reductions: name -> (how partial results over chunks of query rows combine, or None
@@ -1217,4 +1225,5 @@ EXPR_READS: dict[Callable, Callable] = {
     **{getattr(T, name): refuses_grad(name) for name in GRAD_OF_LAZY},
 }  # fmt: skip
 """Each torch function an expression answers lazily (or refuses): the rest are METADATA,
-elementwise ops (a longer expression) or answered on the dense value (on_dense)."""
+elementwise ops (a longer expression) or answered on the dense value (on_dense).
+sdpa.lazy_rows adds torch.stack and torch.cat (a join of lazy tensors) when imported."""

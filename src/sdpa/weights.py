@@ -58,6 +58,7 @@ from sdpa.lazy import (
     reshape_read,
     transpose,
 )
+from sdpa.lazy_rows import join_read
 
 
 def chunked_engine() -> contextlib.AbstractContextManager:
@@ -1313,7 +1314,7 @@ def _join_read(func: Callable) -> Callable:
             view = AttentionWeights._joined(func, tensors, dim)
             if view is not None:
                 return view
-        return on_dense(func, (tensors, dim), {} if out is None else {"out": out})
+        return join_read(func)(tensors, dim, out=out)  # (other lazy parts: their rows)
 
     return join
 
