@@ -13,18 +13,18 @@ device). Any op it does not answer itself computes the dense values by replaying
 recorded ops on real tensors: exactly what eager computes (inside a forward with no
 limit, as eager would; outside, within `max_bytes`, else WeightsTooLargeError).
 
-Outside a forward, a pattern that sdpa's weights equal (no edit, no row where eager and
-sdpa differ: `Node.fused`) is its weights: every op on it runs on the call's
-AttentionWeights, viewed and converted as the pattern is (`_weights_view`), so the one
-table of reads, views and lazy chains in sdpa.weights / sdpa.lazy answers it. What any
-other deferred tensor answers itself (scores, edited patterns, a sink column, eager's
-rows that see no key):
-
-    p[b, h]              a lazy view (lead dims chosen, every query and key)
-    p[b, h, i]           rows, O(rows x S): from the fused weights, or replayed rows
-    p[..., j], p[..., J] key columns; p.sum(dim=-2), p.mean(dim=-2), p.sum(dim=-1),
-    p.amax(dim=-1), p.topk(k), p.entropy(), p.lse, p.weights (AttentionWeights),
-    p.full(max_bytes=) (dense), .detach(), .to(device / dtype), torch.stack([...])
+Outside a forward, every deferred pattern or scores tensor is a lazy tensor of sdpa's
+one table of reads (sdpa.weights / sdpa.lazy, `_lazy_view`): a pattern that sdpa's
+weights equal (no edit, no row where eager and sdpa differ: `Node.fused`) is the call's
+AttentionWeights, an edit with a lazy form (ZeroAblate, ScaleHeads) a lazy expression
+of them, and anything else (the scores, other edits, a sink column, eager's rows that
+see no key) eager's exact rows replayed as they are read (sdpa.lazy_rows.LazyRows). So
+indexing, reductions, products, diagonals, elementwise chains and the byte budget are
+theirs; this module only recognises eager attention code and records what it does.
+Inside a forward, reads of a pattern (an index, a sum, a top-k) are those same lazy
+reads of its replayed rows, with no budget (as eager's tensors have none). A lead view
+of replayed values (p[b], p[:, h]) stays a deferred tensor sharing them, so a write to
+the tensor reaches it, as on eager.
 
 In-place ops are eager's too. One the intercept models (s += bias, s *= scale,
 masked_fill_ with a masking fill) is recorded on the tensor itself, so every holder of
@@ -60,7 +60,7 @@ from typing import NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sdpa import indexing, masks, settings, tile
+from sdpa import indexing, masks
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, dense_limited
 from sdpa.errors import (
     NotSupportedError,
@@ -70,8 +70,8 @@ from sdpa.errors import (
     WeightsTooLargeError,
 )
 from sdpa.functional import attention
-from sdpa.inputs import compute_dtype
 from sdpa.lazy import LazyTensor
+from sdpa.lazy_rows import LazyRows
 from sdpa.weights import CASTS, AttentionWeights
 
 F = torch.nn.functional
@@ -494,7 +494,7 @@ def _real(a: object, x: T, sel: Selection | None, at: dict) -> object:
 
 class Deferred(torch.Tensor):
     """A tensor computed on demand (see the module docstring). Its attributes: _node
-    (a Node, a Marker, a Stack, or Dense once changed in place), _lead (the view's choice
+    (a Node, a Marker, or Dense once changed in place), _lead (the view's choice
     of lead entries, or None), _to (the conversions the reads go through, in order: a
     tuple of (device, dtype) steps, or None; .to(bfloat16).float() rounds as eager's),
     _budget (the byte limit of dense results outside a forward), _detached (reads carry
@@ -511,7 +511,7 @@ class Deferred(torch.Tensor):
     _source: Deferred | None
     _fn: Callable[[T], T] | None
     _views: dict[int, weakref.ref] | None
-    _weights: tuple[object, T | None] | None  # (the node it was made for, _weights_view)
+    _weights: tuple[object, T | None] | None  # (the node it was made for, _lazy_view)
 
     @staticmethod
     def __new__(cls, node, shape=None, dtype=None, device=None, lead=None, to=None,
@@ -542,7 +542,7 @@ class Deferred(torch.Tensor):
         """What torch prints for the dense tensor where the weights answer (computed from
         the rows shown), else a summary that computes nothing."""
         with contextlib.suppress(StaleWeightsError):  # (a stale one: the summary)
-            view = _weights_view(self)
+            view = _lazy_view(self)
             if view is not None:
                 return repr(view)
         what = getattr(self._node, "kind", "stack")
@@ -558,29 +558,43 @@ class Deferred(torch.Tensor):
 
     @property
     def weights(self) -> AttentionWeights:
-        """The AttentionWeights handle (B, H, L, S) of the whole call (of a pattern that
-        equals sdpa's weights: no edits applied)."""
-        node = self._node
-        if not isinstance(node, Node) or not node.fused:
-            raise SdpaValueError(
-                f"this {type(self).__name__} has no sdpa weights handle: only an unedited "
-                f"attention pattern has one (this one is {getattr(node, 'kind', 'a stack')}"
-                f"{' with edits' if isinstance(node, Node) and node.edits else ''}"
-                f"{' with a sink column: p[..., :-1] has one' if _sink_column(node) else ''})"
-            )
-        return node.call.get_weights()
+        """Deprecated (one release): the pattern answers as its AttentionWeights itself
+        (p.pairs(i, j), p.kl(other), p.served_by, every read); weights_of(p) gives the
+        handle."""
+        warnings.warn(
+            "p.weights is deprecated and goes in a later release: the pattern answers as "
+            "its weights itself (p.pairs(i, j), p.kl(other), p.served_by and every read); "
+            "sdpa.integrations.deferred.weights_of(p) gives the AttentionWeights handle",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return weights_of(self)
 
     @property
     def lse(self) -> T:
         """Log-sum-exp of each query row's scores, (*lead, L) (of the view)."""
-        return self._convert(_lead_of(self.weights.lse, self._lead, tail=1))
+        return self._convert(_lead_of(weights_of(self).lse, self._lead, tail=1))
+
+    def __getattr__(self, name: str) -> object:
+        """The AttentionWeights reads torch.Tensor has no name for (pairs, kl, served_by,
+        max_logits, ...), of a pattern sdpa's weights equal: the handle's (of the view)."""
+        if name.startswith("_") or name not in HANDLE_ONLY:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        view = _lazy_view(self)
+        if not isinstance(view, AttentionWeights):
+            weights_of(self)  # (refuses, saying why this tensor has no handle)
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}': {name} is a read "
+                f"of sdpa's weights handle, and this view of the pattern is not one"
+            )
+        return getattr(view, name)
 
     def full(self, max_bytes: int | None = DEFAULT_MAX_BYTES) -> T:
         """The dense tensor (a new one); refuses, before computing anything, past max_bytes
         (None: no limit)."""
         if isinstance(self._node, Dense):
             return self._node.t.clone()
-        view = _weights_view(self)
+        view = _lazy_view(self)
         if view is not None:
             return view.full(max_bytes)
         return self._dense(max_bytes)
@@ -590,10 +604,16 @@ class Deferred(torch.Tensor):
         if isinstance(self._node, Dense):
             p = self._node.t
             return -(p * p.clamp_min(torch.finfo(p.dtype).tiny).log()).sum(dim=-1)
-        view = _weights_view(self)
+        node = self._node
+        if getattr(node, "kind", None) != "pattern":
+            raise SdpaValueError("entropy is a read of an attention pattern, not of the scores")
+        view = _made_view(self, node) if in_forward() else _lazy_view(self)
         if isinstance(view, AttentionWeights):
             return view.entropy()
-        return self._reduce("entropy")
+        if view is None:
+            view = self._dense()
+        with dense_limited(None if in_forward() else self._budget):
+            return -(view * view.clamp_min(torch.finfo(view.dtype).tiny).log()).sum(dim=-1)
 
     # -- the dispatch --
 
@@ -608,8 +628,12 @@ class Deferred(torch.Tensor):
         elif func in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func is T.__getitem__ and _replays(args[0]):
+            got = _view(args[0], args[1])  # (shares x's values, in a forward and after)
+            if got is not NotImplemented:
+                return got
         if not in_forward():
-            handed = _on_weights(func, args, kwargs)
+            handed = _on_lazy(func, args, kwargs)
             if handed is not NotImplemented:
                 return handed
         if func is T.__repr__ or func is T.__format__:
@@ -659,30 +683,18 @@ class Deferred(torch.Tensor):
             "-1) and p.weights.pairs(i, j) in O(L); or p.full(max_bytes=None)",
         )
         with _grad(self):
-            if isinstance(node, Stack):
-                return torch.stack([item._dense(None) for item in node.items], dim=0)
             if isinstance(node, Marker):
                 return self._convert(node.build())
-            t = _squeeze(_rows(node, self._lead, None, None), self._lead)
+            t = _squeeze(_rows(node, self._lead, None), self._lead)
             return self._convert(t.full(None) if isinstance(t, LazyTensor) else t)
 
-    def _reduce(self, what: str, dim: int | None = None, k: int = 0) -> object:
-        return _reduce(self, what, dim, k)
 
-
-def _weights_view(x: Deferred) -> T | None:
-    """x as the weights' own lazy tensor, outside a forward, where x is a fused pattern
-    (sdpa's weights equal it) or one with edits that have a lazy form (Edit.on_weights):
-    the call's AttentionWeights (detached where x is), edited, its lead chosen and
-    converted as x is; else None (x answers its reads itself)."""
+def _lazy_view(x: Deferred) -> T | None:
+    """x as a lazy tensor of sdpa.weights / sdpa.lazy, outside a forward, where x is a
+    pattern or scores (B, H, L, S) (_made_view); else None (a Marker, eager's dense
+    values, a folded (B*H, L, S) product: x answers itself, densely)."""
     node = x._node
-    if (
-        in_forward()
-        or not isinstance(node, Node)
-        or not node.of_call
-        or node.folded
-        or len(node.shape) != 4
-    ):
+    if in_forward() or not isinstance(node, Node) or node.folded or len(node.shape) != 4:
         return None
     node.check_fresh()
     made = x._weights
@@ -692,20 +704,20 @@ def _weights_view(x: Deferred) -> T | None:
 
 
 def _made_view(x: Deferred, node: Node) -> T | None:
-    """_weights_view's tensor for x over node (made once: its reads go stale with the
-    call's inputs, as the handle's do)."""
-    w = node.call.get_weights()
-    if tuple(w._inputs.shape) != node.shape:
-        return None
-    plain = not node.edits and x._lead is None and x._to is None and w.dtype == node.dtype
-    if plain:
-        return w.detach() if x._detached else w
-    if x._detached:
-        w = w.detach()
-    for edit in node.edits:  # (an edit with a lazy form: ZeroAblate, ScaleHeads)
-        w = edit.on_weights(w)
-        if w is None:
+    """The lazy tensor x is: the call's AttentionWeights where sdpa's weights equal the
+    pattern (edited lazily where its edits have a lazy form, Edit.on_weights), else
+    eager's exact rows replayed (LazyRows: scores, a sink column, other edits, eager's
+    rows that see no key); detached where x is, its lead chosen and converted as x is
+    (made once: its reads go stale with the call's inputs)."""
+    weights = node.of_call and (not in_forward() or not node.replayable)
+    base = _edited_weights(node) if weights else None
+    if base is None:
+        if not node.replayable:
             return None
+        base = _replayed(node)
+    if not node.edits and x._lead is None and x._to is None and base.dtype == node.dtype:
+        return base.detach() if x._detached else base
+    w = base.detach() if x._detached else base
     lead = x._lead
     if lead is not None:
         for dim, index in ((0, lead.b), (1, lead.h)):
@@ -722,9 +734,49 @@ def _made_view(x: Deferred, node: Node) -> T | None:
     return w
 
 
-def _on_weights(func, args, kwargs) -> object:
+def _edited_weights(node: Node) -> T | None:
+    """The call's AttentionWeights (B, H, L, S) with node's edits applied lazily, or None
+    where an edit has no lazy form."""
+    w = node.call.get_weights()
+    if tuple(w._inputs.shape) != node.shape:
+        return None
+    for edit in node.edits:  # (an edit with a lazy form: ZeroAblate, ScaleHeads)
+        w = edit.on_weights(w)
+        if w is None:
+            return None
+    return w
+
+
+def _replayed(node: Node) -> LazyRows:
+    """node's exact eager values (B, H, L, S) as a lazy tensor: its rows replayed (with
+    its edits) as they are read."""
+    H = node.shape[1]
+
+    def read(ids: list, rows: slice | T) -> T:
+        bs, hs = sorted({i // H for i in ids}), sorted({i % H for i in ids})
+        sel = Selection(_chosen(bs, node.shape[0]), _chosen(hs, H), None)
+        t = _rows(node, sel, rows)  # (b, h, n, S) over every pair of bs and hs
+        t = t.reshape(len(bs) * len(hs), *t.shape[2:])
+        at = {(b, h): n for n, (b, h) in enumerate((b, h) for b in bs for h in hs)}
+        order = [at[(i // H, i % H)] for i in ids]
+        return t if order == list(range(len(at))) else t[torch.tensor(order)]
+
+    grad = any(t.requires_grad for t in node._watched())
+    return LazyRows.of(read, node.shape, node.dtype, node.device, grad, node.check_fresh)
+
+
+def _chosen(values: list[int], n: int) -> slice | T | None:
+    """Sorted positions among n as a Selection entry: None for all, a slice for a run."""
+    if values == list(range(n)):
+        return None
+    if values == list(range(values[0], values[-1] + 1)):
+        return slice(values[0], values[-1] + 1)
+    return torch.tensor(values, dtype=torch.long)
+
+
+def _on_lazy(func, args, kwargs) -> object:
     """func, outside a forward, with each fused pattern among its arguments (and in the
-    lists among them: torch.stack's) as its weights' lazy tensor (_weights_view):
+    lists among them: torch.stack's) as its weights' lazy tensor (_lazy_view):
     AttentionWeights' one table of reads, views, lazy chains and dense ops answers, its
     dense values within the pattern's budget. NotImplemented where an argument is not a
     fused pattern or func writes into one (eager's dense values then take the write, see
@@ -736,7 +788,7 @@ def _on_weights(func, args, kwargs) -> object:
     def view_of(a: object) -> object:
         nonlocal handed, budget
         if isinstance(a, Deferred):
-            got = _weights_view(a)
+            got = _lazy_view(a)
             if got is None:
                 raise _NotFused
             handed, budget = True, a._budget
@@ -800,27 +852,10 @@ class LazyPattern(Deferred):
         mask, the LSE: O(L x E), not L x S) and load as its AttentionWeights, which reads
         as this pattern (torch.load(..., weights_only=True) too); any other pattern (a
         view, a conversion, edits, a sink column) saves its values."""
-        view = _weights_view(self)
+        view = _lazy_view(self)
         if isinstance(view, AttentionWeights):
             return view.__reduce_ex__(protocol)
         return super().__reduce_ex__(protocol)
-
-
-class LazyStack(Deferred):
-    """torch.stack of lazy patterns or scores along a new dim 0 (ActivationCache's
-    stack_activation): s[layer] is that layer's tensor; sum / mean / amax / topk /
-    entropy apply to each and stack."""
-
-
-@dataclass(frozen=True, eq=False)
-class Stack:
-    """torch.stack(items, dim=0) of deferred tensors of one shape (stack_activation)."""
-
-    items: tuple[Deferred, ...]
-
-    @property
-    def kind(self) -> str:
-        return "stacked " + getattr(self.items[0]._node, "kind", "")
 
 
 # ---- views and row reads ----
@@ -887,24 +922,17 @@ def _squeeze(t: T, lead: Selection | None) -> T:
     return t
 
 
-def _rows(node: Node, lead: Selection | None, r: slice | T | None, keys: object) -> T:
-    """The (B', H', n, S|m) values of node at the view's lead, rows r and keys `keys`
-    (None: all), dims kept: from sdpa's weights where they equal the pattern, else
-    replayed (exact eager) rows, with edits applied."""
+def _rows(node: Node, lead: Selection | None, r: slice | T | None) -> T:
+    """The (B', H', n, S) values of node at the lead selection and rows r (None: all),
+    dims kept: from sdpa's weights where they equal the pattern and are computed (or the
+    pattern has no recorded ops), else replayed (exact eager) rows, with edits applied."""
     sel = Selection(lead.b if lead else None, lead.h if lead else None, r)
-    if (
-        node.kind == "pattern"
-        and node.fused
-        and (node.call.weights is not None or not node.replayable)
-    ):
-        return _from_weights(node.call.get_weights(), sel, keys)
-    if not node.replayable:
-        return _from_weights(node.call.get_weights(), sel, keys)
+    fused = node.kind == "pattern" and node.fused
+    if not node.replayable or (fused and node.call.weights is not None):
+        return _from_weights(node.call.get_weights(), sel)
     x = replay(node, sel)
     for edit in node.edits:
         x = edit.dense(x, _positions(sel, node.shape))
-    if keys is not None:
-        x = x[..., keys] if not isinstance(keys, int) else x[..., keys : keys + 1]
     return x
 
 
@@ -929,42 +957,13 @@ def _positions(sel: Selection, shape: tuple[int, ...]) -> Where:
     return Where(*picked, *shape[:3])
 
 
-def _from_weights(w: AttentionWeights, sel: Selection, keys: object) -> T:
-    """w's values at sel (dims kept) and keys, through AttentionWeights' indexing (which
-    takes ints and slices in the lead and query dims: tensor selections are read one
-    position at a time)."""
-    index: list[object] = []
-    loops: list[tuple[int, T]] = []
-    for dim, item in enumerate((sel.b, sel.h, sel.r)):
-        if item is None:
-            index.append(slice(None))
-        elif isinstance(item, slice):
-            index.append(item)
-        else:
-            loops.append((dim, item))
-            index.append(None)
-    key_index = slice(None) if keys is None else keys
-    if isinstance(key_index, int):
-        key_index = [key_index]
-
-    def read(idx: list[object]) -> T:
-        return w[(*idx, key_index)]
-
-    if not loops:
-        return read(index)
-
-    def expand(i: int, idx: list[object]) -> T:
-        if i == len(loops):
-            return read(idx)
-        dim, positions = loops[i]
-        parts = []
-        for p in positions.tolist():
-            idx2 = list(idx)
-            idx2[dim] = slice(p, p + 1)
-            parts.append(expand(i + 1, idx2))
-        return torch.cat(parts, dim=dim)
-
-    return expand(0, index)
+def _from_weights(w: AttentionWeights, sel: Selection) -> T:
+    """w's values at sel (dims kept): its lazy lead view's rows."""
+    for dim, index in ((0, sel.b), (1, sel.h)):
+        if index is not None:
+            w = w[(slice(None),) * dim + (index,)]
+    t = w[:, :, sel.r] if sel.r is not None else w
+    return t.full(None) if isinstance(t, LazyTensor) else t
 
 
 # ---- the ops a deferred tensor answers ----
@@ -979,8 +978,6 @@ def _handle(func, args, kwargs) -> object:
     if not args:
         return NotImplemented
     first = args[0]
-    if func in STACK:
-        return _stack(args, kwargs)
     if (
         func in CAT
         and isinstance(first, list | tuple)
@@ -1012,8 +1009,6 @@ def _handle(func, args, kwargs) -> object:
         return _score_op(args[1], func, (args[1], args[0]), {})  # x + scores
     if swapped and func in MUL and not isinstance(first, torch.Tensor):
         return _score_op(args[1], func, (args[1], args[0]), {})  # a * scores
-    if isinstance(node, Stack):
-        return _stack_op(first, node, func, args, kwargs)
     if not isinstance(node, Node):
         return NotImplemented
     if func is T.detach:
@@ -1022,14 +1017,12 @@ def _handle(func, args, kwargs) -> object:
         return first
     if func in (T.to, T.type, T.cpu, T.cuda) or func in CASTS:
         return _to(first, func, args, kwargs)
-    if func is T.__getitem__ and node.kind == "pattern" and node.spec.sinks is not None:
-        return _drop_sink(first, args[1])
     if in_forward() and node.kind == "scores" and (func is T.__getitem__ or func in REDUCTIONS):
         if func is T.__getitem__ and _is_whole(args[1], tuple(first.shape)):
             return first  # run_with_cache's pos_slice of every position
         return NotImplemented  # inside a forward a read of the scores is eager's, exactly
     if func is T.__getitem__:
-        return _getitem(first, args[1])
+        return _read(first, func, args, kwargs)
     if first._lead is None and first._to is None:
         if node.kind == "scores":
             got = _score_op(first, func, args, kwargs)
@@ -1039,7 +1032,7 @@ def _handle(func, args, kwargs) -> object:
             got = _pattern_op(first, func, args, kwargs)
             if got is not NotImplemented:
                 return got
-    return _reduction(first, func, args, kwargs)
+    return _read(first, func, args, kwargs) if func in READS else NotImplemented
 
 
 def _fallback(func, args, kwargs) -> object:
@@ -1794,8 +1787,32 @@ def _marker_op(x: Deferred, m: Marker, func, args, kwargs) -> object:
     return NotImplemented
 
 
-def _getitem(x: Deferred, index: object) -> object:
-    """Indexing: a lazy view where every query and key stays, else the rows read."""
+def _replays(x: Deferred) -> bool:
+    """Whether x's values are eager's own, replayed (a pattern or scores that is not
+    sdpa's weights outside a forward, a pattern inside one): its lead views share its
+    values, as eager's views do (a write to x reaches them)."""
+    if not isinstance(x._node, Node):
+        return False
+    if in_forward():  # (an index of the scores there is eager's, see _handle)
+        return x._node.kind == "pattern"
+    view = _lazy_view(x)
+    return view is None or isinstance(view, LazyRows)
+
+
+def _view(x: Deferred, index: object) -> object:
+    """x[index] as a deferred tensor where it is one: the pattern over the keys of a
+    pattern with a sink column (p[..., :-1]), a view of the lead dims (_lead_view)."""
+    if _sink_column(x._node):
+        got = _drop_sink(x, index)
+        if got is not NotImplemented:
+            return got
+    return _lead_view(x, index)
+
+
+def _lead_view(x: Deferred, index: object) -> object:
+    """x[index] where every query and key stays: a lazy view of x that shares its values
+    (a write through it reaches x, as on eager); NotImplemented for any other index (a
+    read: sdpa.lazy's)."""
     node: Node = x._node
     if not node.shape or len(node.shape) != 4:
         return NotImplemented
@@ -1805,31 +1822,30 @@ def _getitem(x: Deferred, index: object) -> object:
         return NotImplemented
     lead_dims = len(shape) - 2
     lead_items, q_item, k_item = items[:lead_dims], items[-2], items[-1]
+    whole = lambda it, n: isinstance(it, slice) and range(*it.indices(n)) == range(n)  # noqa: E731
+    if not (whole(q_item, node.shape[-2]) and whole(k_item, node.shape[-1])):
+        return NotImplemented
     lead = _compose_lead(x._lead, lead_items, node.shape)
     if lead is None:
         return NotImplemented
-    whole = lambda it, n: isinstance(it, slice) and range(*it.indices(n)) == range(n)  # noqa: E731
-    L, S = node.shape[-2], node.shape[-1]
-    if lead is _WHOLE:
-        lead = None
-    if whole(q_item, L) and whole(k_item, S):
-        view = x._derive(shape=_lead_sizes(node.shape, lead), lead=lead)
-        return _alias(x, view, T.__getitem__, (x, index), {})
-    r = q_item if not isinstance(q_item, int) else slice(q_item % L, q_item % L + 1)
-    keys = None if whole(k_item, S) else k_item % S if isinstance(k_item, int) else k_item
-    n_keys = 1 if isinstance(keys, int) else _count(keys, S)
-    out_shape = (*_lead_sizes(node.shape, lead)[:-2], _count(r, L), n_keys)
-    if not in_forward():
-        check_fits(f"the {node.kind} rows", out_shape, x.element_size(), x._budget,
-                   "Read fewer rows at a time, or full(max_bytes=None)")  # fmt: skip
-    with _grad(x):
-        t = _rows(node, lead, r, keys)
-    t = _squeeze(t, lead)
-    if isinstance(q_item, int):
-        t = t.squeeze(-2)
-    if isinstance(keys, int):
-        t = t.squeeze(-1)
-    return x._convert(t)
+    lead = None if lead is _WHOLE else lead
+    view = x._derive(shape=_lead_sizes(node.shape, lead), lead=lead)
+    return _alias(x, view, T.__getitem__, (x, index), {})
+
+
+def _read(x: Deferred, func, args, kwargs) -> object:
+    """A read of x (an index of its rows or keys, a reduction, a diagonal) inside a
+    forward: eager's exact values replayed, through sdpa.lazy's reads, with no budget (as
+    eager's own tensors have none); NotImplemented where x has no rows to replay."""
+    node = x._node
+    if not isinstance(node, Node) or node.folded or len(node.shape) != 4:
+        return NotImplemented
+    view = _made_view(x, node)
+    if view is None:
+        return NotImplemented
+    with dense_limited(None):
+        args = tuple(view if a is x else a for a in args)
+        return func(*args, **kwargs)
 
 
 def _is_whole(index: object, shape: tuple[int, ...]) -> bool:
@@ -1917,142 +1933,12 @@ def _compose_lead(
     return Selection(current[0], current[1], None, tuple(sorted(drop)))
 
 
-def _stack(args, kwargs) -> object:
-    tensors = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if (
-        dim != 0 or kwargs.get("out") is not None or not tensors
-        or not all(isinstance(_node_of(t), Node) for t in tensors)
-        or len({tuple(t.shape) for t in tensors}) != 1
-    ):  # fmt: skip
-        return NotImplemented
-    first = tensors[0]
-    return LazyStack(Stack(tuple(tensors)), (len(tensors), *first.shape), first.dtype,
-                     first.device, budget=first._budget)  # fmt: skip
-
-
-def _stack_op(x: Deferred, s: Stack, func, args, kwargs) -> object:
-    if func is T.__getitem__:
-        index = args[1]
-        items = list(index) if isinstance(index, tuple) else [index]
-        head, rest = items[0], items[1:]
-        if isinstance(head, int):
-            item = s.items[head]
-            return item[tuple(rest)] if rest else item
-        if isinstance(head, slice) and not rest:
-            picked = s.items[head]
-            return LazyStack(Stack(picked), (len(picked), *x.shape[1:]), x.dtype, x.device,
-                             budget=x._budget)  # fmt: skip
-        return NotImplemented
-    if func in SAME:
-        return x
-    reduced = [_reduction(item, func, (item, *args[1:]), kwargs) for item in s.items]
-    if any(r is NotImplemented for r in reduced):
-        return NotImplemented
-    if isinstance(reduced[0], tuple):  # (a torch.return_types, as torch's own answer)
-        return type(reduced[0])(
-            tuple(torch.stack(parts, dim=0) for parts in zip(*reduced, strict=True))
-        )
-    return torch.stack(reduced, dim=0)
-
-
-# ---- reductions over a view, in row chunks ----
+# ---- the reads a forward makes of a pattern, answered by sdpa.lazy ----
 
 SUM, MEAN, AMAX, TOPK = _ops("sum"), _ops("mean"), _ops("amax"), _ops("topk")
 REDUCTIONS = SUM | MEAN | AMAX | TOPK
-
-
-def _reduction(x: Deferred, func, args, kwargs) -> object:
-    """sum / mean over the queries (dim -2) or the keys (dim -1), amax(dim=-1), topk(k)."""
-    node = x._node
-    if not isinstance(node, Node) or len(node.shape) != 4 or node.folded:
-        return NotImplemented
-    nd = x.ndim
-    if func in SUM or func in MEAN:
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if isinstance(dim, list | tuple) and len(dim) == 1:
-            dim = dim[0]
-        extra = set(kwargs) - {"dim", "keepdim", "dtype"}
-        if extra or not isinstance(dim, int) or dim % nd not in (nd - 1, nd - 2) or len(args) > 3:
-            return NotImplemented
-        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-        # (a view cast to 16 bits: the sum in float32, rounded once, as eager's)
-        out = _reduce(x, "sum_rows" if dim % nd == nd - 2 else "sum_keys")
-        if func in MEAN:
-            out = out / x.shape[dim]
-        out = out.to(kwargs.get("dtype") or x.dtype)
-        return out.unsqueeze(dim) if keepdim else out
-    if func in AMAX:
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", ())
-        if isinstance(dim, list | tuple) and len(dim) == 1:
-            dim = dim[0]
-        if (
-            not isinstance(dim, int)
-            or dim % nd != nd - 1
-            or kwargs.get("keepdim")
-            or node.kind != "pattern"
-        ):
-            return NotImplemented
-        return _reduce(x, "amax")
-    if func in TOPK:
-        k = args[1] if len(args) > 1 else kwargs.get("k")
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-        ordered = args[4] if len(args) > 4 else kwargs.get("sorted", True)
-        if dim % nd != nd - 1 or not largest or not ordered or node.kind != "pattern":
-            return NotImplemented
-        return _reduce(x, "topk", k=k)
-    return NotImplemented
-
-
-def _reduce(x: Deferred, what: str, dim: int | None = None, k: int = 0) -> object:
-    """A per-row or per-key statistic of the view, accumulated over chunks of its rows
-    (a fused pattern outside a forward is never here: its weights answer, see
-    _weights_view)."""
-    node = x._node
-    if not isinstance(node, Node):
-        raise SdpaTypeError(f"{what} works on a deferred pattern, not on {type(x).__name__}")
-    if what != "sum_keys" and what != "sum_rows" and node.kind != "pattern":
-        raise SdpaValueError(f"{what} is a read of an attention pattern, not of the scores")
-    with _grad(x):
-        return _by_chunks(x, node, what, k)
-
-
-def _by_chunks(x: Deferred, node: Node, what: str, k: int) -> object:
-    L, S = node.shape[-2:]
-    lead = x._lead
-    n_lead = math.prod(_lead_sizes(node.shape, lead)[:-2]) or 1
-    # (the chunks of lazy expressions: settings' lazy_chunk_bytes, a row and a copy)
-    step = tile.chunk_rows(n_lead, S, torch.float32, 2, settings.get().lazy_chunk_bytes)
-    acc, parts, idx = None, [], []
-    casts = x._casts()  # then the rows are converted before they are reduced
-    finish = (lambda t: t) if casts else x._convert
-    for r0 in range(0, L, step):
-        rows = _rows(node, lead, slice(r0, min(L, r0 + step)), None)  # (B', H', n, S)
-        if casts:
-            rows = x._convert(rows)
-        total = compute_dtype(rows.dtype)  # sums of 16-bit values accumulate in float32
-        if what == "sum_rows":
-            got = rows.sum(dim=-2, dtype=total)
-            acc = got if acc is None else acc + got
-            continue
-        if what == "sum_keys":
-            parts.append(rows.sum(dim=-1, dtype=total))
-        elif what == "entropy":
-            logp = rows.clamp_min(torch.finfo(rows.dtype).tiny).log()
-            parts.append(-(rows * logp).sum(dim=-1))
-        elif what == "amax":
-            parts.append(rows.amax(dim=-1))
-        elif what == "topk":
-            values, indices = rows.topk(k, dim=-1)
-            parts.append(values)
-            idx.append(indices)
-    if what == "sum_rows":
-        return finish(_squeeze(acc, lead))
-    out = _squeeze(torch.cat(parts, dim=2), lead)
-    if what == "topk":
-        return torch.return_types.topk((finish(out), _squeeze(torch.cat(idx, dim=2), lead)))
-    return finish(out)
+READS = REDUCTIONS | _ops("amin", "max", "min", "argmax", "argmin", "diagonal")
+"""The reads of a pattern inside a forward that sdpa.lazy answers (replayed rows)."""
 
 
 # ---- the interception of eager attention inside a forward ----
@@ -2246,6 +2132,28 @@ def with_edit(x: Deferred, edit) -> Deferred | None:
             )
         return _wrap(x, replace(node, edits=(*node.edits, edit)))
     return None
+
+
+HANDLE_ONLY = frozenset(
+    n for n in dir(AttentionWeights) if not n.startswith("_") and not hasattr(torch.Tensor, n)
+)
+"""AttentionWeights' own reads torch.Tensor has no name for: a fused pattern answers them."""
+
+
+def weights_of(p: object) -> AttentionWeights:
+    """The AttentionWeights handle (B, H, L, S) of the whole call of a pattern sdpa's
+    weights equal (no edit applied, no eager-only rows); refused with the reason for any
+    other deferred tensor."""
+    node = p._node if isinstance(p, Deferred) else None
+    if not isinstance(node, Node) or not node.fused:
+        kind = getattr(node, "kind", type(p).__name__)
+        raise SdpaValueError(
+            f"this {type(p).__name__} has no sdpa weights handle: only an unedited "
+            f"attention pattern has one (this one is {kind}"
+            f"{' with edits' if isinstance(node, Node) and node.edits else ''}"
+            f"{' with a sink column: p[..., :-1] has one' if _sink_column(node) else ''})"
+        )
+    return node.call.get_weights()
 
 
 def weights_pattern(w: AttentionWeights, budget: int | None = DEFAULT_MAX_BYTES) -> LazyPattern:

@@ -4,7 +4,7 @@ mass, from a call's lazy weights in O(L + marked pairs) per head.
 
     import sdpa.integrations.heads as heads
     scores = heads.detect_head(bridge, text, "induction_head")   # (n_layers, n_heads)
-    heads.score(cache["pattern", 3].weights, tokens, "previous_token_head")   # (B, H)
+    heads.score(cache["pattern", 3], tokens, "previous_token_head")   # (B, H)
 
 A detection pattern D (L, L) marks (query, key) pairs: previous token (i, i - 1);
 duplicate token (i, j) with j < i and token j == token i; induction (i, j) with
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from sdpa.errors import SdpaTypeError, SdpaValueError
+from sdpa.integrations.deferred import Deferred, weights_of
 from sdpa.weights import AttentionWeights
 
 HEAD_NAMES = ("previous_token_head", "duplicate_token_head", "induction_head")
@@ -48,12 +49,11 @@ __all__ = [
 
 
 def _weights(w: object) -> AttentionWeights:
-    """An AttentionWeights handle from a handle or a LazyPattern (its .weights)."""
+    """An AttentionWeights handle from a handle or a LazyPattern (weights_of)."""
     if isinstance(w, AttentionWeights):
         return w
-    handle = getattr(w, "weights", None)
-    if isinstance(handle, AttentionWeights):
-        return handle
+    if isinstance(w, Deferred):
+        return weights_of(w)
     raise SdpaTypeError(
         f"expected sdpa AttentionWeights or a LazyPattern (cache['pattern', layer] of a "
         f"bridge on sdpa), got {type(w).__name__}; a dense pattern has no lazy reads: use "

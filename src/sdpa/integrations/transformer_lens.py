@@ -8,7 +8,7 @@
     logits, cache = bridge.run_with_cache(tokens)     # patterns and scores kept lazily
     p = cache["pattern", 3]                           # LazyPattern (B, H, L, S)
     p[0, 5, -1]                                       # head 5, last query: O(S)
-    p.sum(dim=-2); p.entropy(); p.topk(8); p.weights  # the sdpa reads
+    p.sum(dim=-2); p.entropy(); p.topk(8); p.pairs(i, j)  # the weights' reads
 
 How each attention bridge runs, per forward:
 - No hook reads or writes `hook_attn_scores` / `hook_pattern`, or only
@@ -38,8 +38,10 @@ the output, on eager and here alike) and hook_attn_scores gets the pattern, as o
 use_sdpa checks each native attention fuses (one 3-token forward, its hooks set aside)
 and refuses the bridge, naming the layer and the op, where one would run eagerly.
 
-`cache["pattern", layer]` is a LazyPattern: a torch.Tensor subclass (its `.weights` is
-the call's AttentionWeights); where those weights are the pattern, every op on it is
+`cache["pattern", layer]` is a LazyPattern: a torch.Tensor subclass that answers as the
+call's AttentionWeights (deferred.weights_of(p) is the handle; p.weights, deprecated,
+too); where those weights are the pattern, every op on it, and every read of theirs
+torch has no name for (p.pairs, p.kl, p.served_by), is
 theirs (lazy reads, views and chains; sdpa.integrations.deferred). Code that needs a
 dense tensor (circuitsvis, numpy) gets one from any op it applies, within
 `max_dense_bytes` (default 1 GiB, per use_sdpa call; ops on the cached pattern itself),
