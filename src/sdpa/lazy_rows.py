@@ -110,9 +110,11 @@ class LazyRows(LazyExpr):
         return []
 
     def _value(self) -> T:
+        """The dense value (its budget checked by the caller): one read of every row."""
         self._check_fresh()
-        shape = self._shape()
-        return self._box(self._grid, slice(None), slice(None), shape[-2], shape[-1])
+        grid = self._grid
+        with self._autograd():
+            return self._rows_of(grid.rows, slice(None)).reshape(self._shape())
 
     def _at(self, index: object, memo: dict | None = None) -> T:
         """self[index]: a view where the index takes the lead dims alone, else the rows."""
