@@ -265,7 +265,8 @@ def _rows_of_tensor(x: LazyTensor) -> Read:
     def read(ids: list, rows: object) -> T:
         run = ids == list(range(ids[0], ids[0] + len(ids)))
         picked = flat[ids[0] : ids[-1] + 1] if run else flat[ids]
-        return picked[:, rows]
+        got = picked[:, rows]
+        return got.full(None) if isinstance(got, LazyTensor) else got  # (every row: a view)
 
     return read
 
