@@ -161,6 +161,7 @@ def test_weights_of_other_calls_join_lazily(gen):
         got = torch.stack(parts)
         assert isinstance(got, LazyRows)
         want = torch.stack([p.full() for p in parts])
+        torch.testing.assert_close(got.full(), want)  # (every row of every part at once)
         torch.testing.assert_close(got[1, 1, 2, 5], want[1, 1, 2, 5])
         torch.testing.assert_close(got.sum(-2), want.sum(-2))
         (g_got,) = torch.autograd.grad(got[:, 0, 1].square().sum(), q)
