@@ -131,7 +131,7 @@ class LazyRows(LazyExpr):
         if any(_advanced(i) for i in lead) and (_advanced(r) or _advanced(k)):
             return self._dense("this index")[index]  # (laid out apart by torch)
         grid = self._grid.pick(*leads.lead_rows(self._grid.lead, tuple(lead)))
-        rows, keys = _positions(r, L, "query"), _positions(k, S, "key")
+        rows, keys = _entry(r, L, "query"), _entry(k, S, "key")
         if _advanced(r) and _advanced(k):  # (rows[i], keys[i]): torch pairs two lists
             rows, keys = torch.broadcast_tensors(_as_tensor(rows), _as_tensor(keys))
             out = self._box(grid, rows, slice(None), L, S)
@@ -210,7 +210,7 @@ class LazyRows(LazyExpr):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def _positions(i: object, n: int, what: str) -> object:
+def _entry(i: object, n: int, what: str) -> object:
     """A row or key index entry as an int, a slice, a list of ints or an int64 tensor
     (a tensor's values are not read: it may live on the device), within 0..n; torch's
     IndexError out of bounds (of ints and lists)."""

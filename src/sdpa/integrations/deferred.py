@@ -573,7 +573,7 @@ class Deferred(torch.Tensor):
     @property
     def lse(self) -> T:
         """Log-sum-exp of each query row's scores, (*lead, L) (of the view)."""
-        return self._convert(_lead_of(weights_of(self).lse, self._lead, tail=1))
+        return self._convert(_lead_of(weights_of(self).lse, self._lead))
 
     def __getattr__(self, name: str) -> object:
         """The AttentionWeights reads torch.Tensor has no name for (pairs, kl, served_by,
@@ -718,13 +718,7 @@ def _made_view(x: Deferred, node: Node) -> T | None:
     if not node.edits and x._lead is None and x._to is None and base.dtype == node.dtype:
         return base.detach() if x._detached else base
     w = base.detach() if x._detached else base
-    lead = x._lead
-    if lead is not None:
-        for dim, index in ((0, lead.b), (1, lead.h)):
-            if index is not None:
-                w = w[(slice(None),) * dim + (index,)]
-        for dim in sorted(lead.drop, reverse=True):
-            w = w.select(dim, 0)
+    w = _lead_of(w, x._lead)
     if w.dtype != node.dtype:
         w = w.to(node.dtype)
     for device, dtype in x._to or ():
@@ -896,19 +890,15 @@ def _compose(outer: slice | T | None, inner: object, n: int) -> slice | T:
     return picked
 
 
-def _lead_of(t: T, lead: Selection | None, tail: int) -> T:
-    """t (B, H, *tail dims) restricted to the view's lead selection."""
+def _lead_of(t: T, lead: Selection | None) -> T:
+    """t (B, H, ...) restricted to the lead selection, the dims it drops squeezed: by
+    indexing, so a lazy t (the weights, replayed rows) gives a lazy view."""
     if lead is None:
         return t
-    sel = Selection(lead.b, lead.h, None)
-    for dim, index in ((0, sel.b), (1, sel.h)):
-        if index is None:
-            continue
-        t = (
-            t[(slice(None),) * dim + (index,)]
-            if isinstance(index, slice)
-            else t.index_select(dim, index.to(t.device))
-        )
+    for dim, index in ((0, lead.b), (1, lead.h)):
+        if index is not None:
+            at = index if isinstance(index, slice) else index.to(t.device)
+            t = t[(slice(None),) * dim + (at,)]
     for dim in sorted(lead.drop, reverse=True):
         t = t.squeeze(dim)
     return t
@@ -959,9 +949,7 @@ def _positions(sel: Selection, shape: tuple[int, ...]) -> Where:
 
 def _from_weights(w: AttentionWeights, sel: Selection) -> T:
     """w's values at sel (dims kept): its lazy lead view's rows."""
-    for dim, index in ((0, sel.b), (1, sel.h)):
-        if index is not None:
-            w = w[(slice(None),) * dim + (index,)]
+    w = _lead_of(w, replace(sel, r=None, drop=()))
     t = w[:, :, sel.r] if sel.r is not None else w
     return t.full(None) if isinstance(t, LazyTensor) else t
 
