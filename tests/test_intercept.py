@@ -261,6 +261,50 @@ def test_in_place_on_a_cached_pattern_outside_a_forward():
         small += 1
 
 
+@pytest.mark.parametrize(
+    "take",
+    [
+        lambda p: p[1, 2],
+        lambda p: p.mT,
+        lambda p: p.unsqueeze(0),
+        lambda p: p.detach(),
+        lambda p: p * 2,
+        lambda p: p[0, 1].to(torch.bfloat16),
+    ],
+    ids=["row", "mT", "unsqueeze", "detach", "times", "cast"],
+)
+@pytest.mark.parametrize("write", ["setitem", "mul_"])
+@pytest.mark.parametrize("lazy", ["AttentionWeights", "LazyRows"])
+def test_a_lazy_view_of_a_fused_pattern_refuses_after_the_pattern_changes(lazy, take, write):
+    """A fused pattern after the forward hands out views of sdpa's weights (or of its
+    replayed rows), which do not share eager's storage: once the pattern is changed in
+    place, each lazy tensor made from it before refuses (eager's view would show the
+    change) but an alias of replayed rows (p[1, 2]), which shares them and shows it; one
+    made after reads the changed values, and so does the pattern."""
+    q, k, v, bias = inputs()
+    code = (lambda q, k: scores(q, k) + bias) if lazy == "LazyRows" else scores
+    with deferred.Intercept():  # (a float bias: eager's rows, replayed)
+        p = finish(code(q, k), v)[1]
+    assert type(deferred._lazy_view(p)).__name__ == lazy
+    want = torch.softmax(code(q, k), dim=-1)
+    before = take(p)
+    close(before, take(want))  # (fresh until the write)
+    for t in (p, want):
+        if write == "setitem":
+            t[1, 2, 0] = 5.0
+        else:
+            t.mul_(2.0)
+    if isinstance(before, deferred.Deferred):  # (an alias of replayed rows: eager's view)
+        assert lazy == "LazyRows"
+        close(before, take(want))
+    else:
+        changed = r"in place after it \((__setitem__|mul_)\)"
+        with pytest.raises(sdpa.StaleWeightsError, match=changed):
+            deferred.dense_of(before, None)
+    close(take(p), take(want))
+    close(p, want)
+
+
 # ---- 2. fills that are values, not masks ----
 
 

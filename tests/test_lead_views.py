@@ -229,12 +229,15 @@ def test_stacked_handles_are_a_lazy_view_equal_to_the_dense_stack(gen, join, kin
 
 
 def test_a_stack_goes_stale_with_any_of_its_handles(gen):
+    """The stack, and its detached twin (whose inputs are the joined copies)."""
     calls, ws = _layers(gen, "float", requires_grad=False)
     s = torch.stack(ws)
-    s[0, 0, 0, 1]
+    twin = s.detach()
+    s[0, 0, 0, 1], twin[0, 0, 0, 1]
     calls[2][1].mul_(2.0)  # the third call's k
-    with pytest.raises(StaleWeightsError, match="key changed in place"):
-        s[0, 0, 0, 1]
+    for t in (s, twin):
+        with pytest.raises(StaleWeightsError, match="key changed in place"):
+            t[0, 0, 0, 1]
 
 
 def test_handles_of_other_kinds_stack_by_their_rows_and_over_keys_densely(gen):

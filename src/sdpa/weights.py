@@ -217,7 +217,7 @@ class _Reads(Lazy):
         return self._lse
 
     def _check_fresh(self) -> None:
-        if self._source.__class__ is not Inputs:  # handles joined (torch.stack / cat)
+        if self._source.__class__ is not Inputs:  # handles joined (torch.stack), _stale_with
             for part in self._source:
                 part._check_fresh()
             return
@@ -838,7 +838,21 @@ class _Reads(Lazy):
         )
         probs = None if self._probs is None else self._probs.detach()
         twin = handle(inputs, self._lse, probs, self._backend)
+        twin._source, twin._versions = self._source, self._versions  # (stale with this one)
         if probs is not None:  # (the twin holds the same weights)
+            self._shared = twin._shared = True
+        return twin
+
+    def _stale_with(self, part: object) -> AttentionWeights:
+        """A twin of this handle (the same recipe, O(1)) that also goes stale where
+        part._check_fresh() raises, and so does every view and chain of it: the lazy view
+        of a cached pattern, stale once that pattern is changed in place."""
+        twin = new_handle(
+            AttentionWeights, self._inputs, self._lse, self._probs, self._backend, self._frozen,
+            self._versions,
+        )  # fmt: skip
+        twin._source = (self, part)
+        if self._probs is not None:  # (the twin holds the same weights)
             self._shared = twin._shared = True
         return twin
 

@@ -512,6 +512,7 @@ class Deferred(torch.Tensor):
     _fn: Callable[[T], T] | None
     _views: dict[int, weakref.ref] | None
     _weights: tuple[object, T | None] | None  # (the node it was made for, _lazy_view)
+    _unchanged: Unchanged | None  # the freshness of the lazy tensors made from its values
 
     @staticmethod
     def __new__(cls, node, shape=None, dtype=None, device=None, lead=None, to=None,
@@ -523,7 +524,7 @@ class Deferred(torch.Tensor):
             cls, shape, dtype=dtype, device=device, requires_grad=False
         )
         t._node, t._lead, t._to, t._budget, t._detached = node, lead, to, budget, detached
-        t._source = t._fn = t._views = t._weights = None
+        t._source = t._fn = t._views = t._weights = t._unchanged = None
         return t
 
     def _derive(self, **changes) -> Deferred:
@@ -708,13 +709,20 @@ def _made_view(x: Deferred, node: Node) -> T | None:
     pattern (edited lazily where its edits have a lazy form, Edit.on_weights), else
     eager's exact rows replayed (LazyRows: scores, a sink column, other edits, eager's
     rows that see no key); detached where x is, its lead chosen and converted as x is
-    (made once: its reads go stale with the call's inputs)."""
+    (made once: its reads, and those of its views and chains, go stale with the call's
+    inputs and once x is changed in place: they would not see the change)."""
+    root = x._source if x._source is not None else x
+    if root._unchanged is None:
+        root._unchanged = Unchanged(type(root).__name__)
+    unchanged = root._unchanged
     weights = node.of_call and (not in_forward() or not node.replayable)
     base = _edited_weights(node) if weights else None
+    if base is not None:
+        base = base._stale_with(unchanged) if isinstance(base, AttentionWeights) else base
     if base is None:
         if not node.replayable:
             return None
-        base = _replayed(node)
+        base = _replayed(node, unchanged)
     if not node.edits and x._lead is None and x._to is None and base.dtype == node.dtype:
         return base.detach() if x._detached else base
     w = base.detach() if x._detached else base
@@ -726,6 +734,34 @@ def _made_view(x: Deferred, node: Node) -> T | None:
     if tuple(w.shape) != tuple(x.shape) or w.dtype != x.dtype or w.device != x.device:
         return None  # (a safety net: the view must be x's own tensor)
     return w
+
+
+class Unchanged:
+    """Whether a deferred tensor (and its aliases) still holds the values its lazy views
+    were made from (_made_view); a write in place (a dense change, or an op recorded on
+    its node) makes every lazy tensor made before from it refuse, where eager's views
+    would show the change and ours would not."""
+
+    __slots__ = ("by", "what")
+
+    def __init__(self, what: str) -> None:
+        self.what, self.by = what, None
+
+    def _check_fresh(self) -> None:
+        if self.by is not None:
+            raise StaleWeightsError(
+                f"the {self.what} this lazy tensor was made from (a view, p.detach(), p.mT, "
+                f"p * 2) was changed in place after it ({self.by}), and a lazy tensor does "
+                f"not see such a change: make it again from the changed tensor, or change a "
+                f"dense copy (p.full(), p.clone())"
+            )
+
+
+def _supersede(x: Deferred, by: str) -> None:
+    """x's values change in place (by: the op): the lazy tensors made from them go stale."""
+    root = x._source if x._source is not None else x
+    if root._unchanged is not None:
+        root._unchanged.by, root._unchanged = by, None
 
 
 def _edited_weights(node: Node) -> T | None:
@@ -741,9 +777,9 @@ def _edited_weights(node: Node) -> T | None:
     return w
 
 
-def _replayed(node: Node) -> LazyRows:
+def _replayed(node: Node, unchanged: Unchanged) -> LazyRows:
     """node's exact eager values (B, H, L, S) as a lazy tensor: its rows replayed (with
-    its edits) as they are read."""
+    its edits) as they are read; stale with the node's inputs and with `unchanged`."""
     H = node.shape[1]
 
     def read(ids: list, rows: slice | T) -> T:
@@ -755,8 +791,12 @@ def _replayed(node: Node) -> LazyRows:
         order = [at[(i // H, i % H)] for i in ids]
         return t if order == list(range(len(at))) else t[torch.tensor(order)]
 
+    def fresh() -> None:
+        node.check_fresh()
+        unchanged._check_fresh()
+
     grad = any(t.requires_grad for t in node._watched())
-    return LazyRows.of(read, node.shape, node.dtype, node.device, grad, node.check_fresh)
+    return LazyRows.of(read, node.shape, node.dtype, node.device, grad, fresh)
 
 
 def _chosen(values: list[int], n: int) -> slice | T | None:
@@ -1098,11 +1138,13 @@ def _densify(x: Deferred, func) -> None:
         if root._budget is not None and need > root._budget:
             raise _in_place_refusal(x, func, root, need)
         values = root._dense(None)
-    _turn_dense(root, values)
+    _turn_dense(root, values, getattr(func, "__name__", repr(func)))
 
 
-def _turn_dense(root: Deferred, values: T) -> None:
-    """root becomes Dense(values); each live view of it, Dense(its view of values)."""
+def _turn_dense(root: Deferred, values: T, by: str) -> None:
+    """root becomes Dense(values); each live view of it, Dense(its view of values) (by:
+    the op that changes them in place)."""
+    _supersede(root, by)
     members = [(root, values)]
     for ref in (root._views or {}).values():
         m = ref()
@@ -1169,7 +1211,7 @@ def _settle(mode: Intercept) -> None:
         if values._version != version:
             del mode.lent[key]
             if not isinstance(root._node, Dense):
-                _turn_dense(root, values)
+                _turn_dense(root, values, "a write through a view of its values")
 
 
 def _record_in_place(x: Deferred, func, args, kwargs) -> object:
@@ -1198,6 +1240,7 @@ def _record_in_place(x: Deferred, func, args, kwargs) -> object:
         or new.dtype != node.dtype or len(new.ops) != len(node.ops) + 1
     ):  # fmt: skip
         return NotImplemented
+    _supersede(x, getattr(func, "__name__", repr(func)))
     x._node = replace(new, ops=(*new.ops[:-1], replace(new.ops[-1], func=func)))
     return x
 
