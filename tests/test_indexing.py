@@ -115,3 +115,39 @@ def test_entries_take_the_dims_torch_gives_them():
     assert indexing.dims_taken(torch.ones(2, 3, 4, dtype=torch.bool)) == 3
     for one in (3, slice(None), [0, 1], [True, False], torch.tensor([0, 1]), np.int64(2)):
         assert indexing.dims_taken(one) == 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_basic_form_reads_as_torch_reads_the_index(seed):
+    """indexing.basic_form on the same random indices: where it gives a form, x[plain]
+    with the added dims unsqueezed in turn is x[index]; it gives one for every index of
+    ints, slices, '...' and None with a None, and for every one whose last two dims take
+    a 1-D boolean mask."""
+    rng = random.Random(seed)
+    x = torch.arange(np.prod(SHAPE), dtype=torch.float32).reshape(SHAPE)
+    for _ in range(25):
+        index = _index(rng)
+        try:
+            want = x[index]
+        except IndexError:
+            continue
+        form = indexing.basic_form(index, x.ndim)
+        items = indexing.spread(index, x.ndim)
+        added = any(i is None for i in items)
+        basic = all(i is None or type(i) in (int, slice) for i in items)
+        if basic and added:
+            assert form is not None, index
+        taken, masked = 0, False
+        for i in items:
+            masked |= taken >= x.ndim - 2 and getattr(i, "ndim", 0) == 1 and i.dtype == torch.bool
+            taken += indexing.dims_taken(i)
+        if masked and not added:
+            assert form is not None, index
+        if form is None:
+            continue
+        plain, dims = form
+        assert not any(i is None for i in plain) and dims == sorted(dims)
+        got = x[plain]
+        for d in dims:
+            got = got.unsqueeze(d)
+        _same(got, want)

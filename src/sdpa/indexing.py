@@ -50,3 +50,40 @@ def spread(index: object, ndim: int, *, of: str | None = None) -> list:
 def is_whole(item: object) -> bool:
     """Whether an entry is `:` (every entry of its dim, as written)."""
     return isinstance(item, slice) and item == slice(None)
+
+
+def basic_form(index: object, ndim: int) -> tuple[tuple, list[int]] | None:
+    """x[index] (x of ndim dims) as x[plain].unsqueeze(d) for each d of dims in turn,
+    where index adds dims with None among ints, slices and '...' alone (with a tensor or
+    list among them torch places the added dims otherwise), or picks query or key
+    positions (the last two dims) with a 1-D boolean mask, which becomes its positions
+    (as torch's own indexing turns it: it reads the mask's values, a host sync on a
+    device); None where neither applies (or torch refuses the index: it says why)."""
+    try:
+        items = spread(index, ndim)
+    except IndexError:
+        return None
+    if any(item is None for item in items):
+        if not all(item is None or _basic(item) for item in items):
+            return None
+        dims, out = [], 0
+        for item in items:
+            if item is None:
+                dims.append(out)
+            out += not isinstance(item, int)
+        return tuple(item for item in items if item is not None), dims
+    changed, taken = False, 0
+    for n, item in enumerate(items):
+        if taken >= ndim - 2 and _mask_1d(item):
+            items[n] = item.nonzero().squeeze(1)
+            changed = True
+        taken += dims_taken(item)
+    return (tuple(items), []) if changed else None
+
+
+def _basic(item: object) -> bool:
+    return isinstance(item, slice) or (isinstance(item, int) and not isinstance(item, bool))
+
+
+def _mask_1d(item: object) -> bool:
+    return str(getattr(item, "dtype", None)) == "torch.bool" and getattr(item, "ndim", 0) == 1

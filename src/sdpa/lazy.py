@@ -1039,8 +1039,37 @@ def _by_rows_indexed(x, name, method, args, kwargs, shape) -> object:
     return type(out)((values, indices))
 
 
+def basic_index(x: LazyTensor, index: object, at: Callable) -> torch.Tensor:
+    """x[index] by at(index), where an index that adds dims with None (or picks query
+    or key positions with a boolean mask) is first made one `at` answers lazily
+    (indexing.basic_form: the index without None, the added dims unsqueezed after)."""
+    if not _adds_or_masks(index):
+        return at(index)  # (the indices made most, decided without spreading them)
+    basic = indexing.basic_form(index, len(metadata(T.size, (x,), {})))
+    if basic is None:
+        return at(index)
+    plain, dims = basic
+    out = at(plain)
+    for d in dims:
+        out = out.unsqueeze(d)
+    return out
+
+
+def _adds_or_masks(index: object) -> bool:
+    """Whether an index holds None or a boolean tensor (a quick look at its entries)."""
+    for i in index if type(index) is tuple else (index,):
+        if i is None or (
+            type(i) is not int
+            and type(i) is not slice
+            and isinstance(i, T)
+            and i.dtype == torch.bool
+        ):
+            return True
+    return False
+
+
 def _getitem(x: LazyExpr, index: object) -> torch.Tensor:
-    return x._at(index)
+    return basic_index(x, index, x._at)
 
 
 def _select(x: LazyExpr, dim: int, index: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ from sdpa.lazy import (
     Lazy,
     LazyTensor,
     LeadReduction,
+    basic_index,
     dim_of,
     expr,
     metadata,
@@ -1084,6 +1085,9 @@ class AttentionWeights(_Reads, LazyTensor):
         """An index of the leading dims alone (w[0], w[:, 2], w[[0, 3]], a boolean mask
         over them) is a view: the same lazy weights of those (batch, head) rows, made in
         O(rows x (L + S) x E) with nothing L x S; any other index is a read (_Reads)."""
+        return basic_index(self, index, self._index)
+
+    def _index(self, index: object) -> torch.Tensor:
         lead = self._inputs.lead
         part = leads.lead_index(index, len(lead) + 2)
         if part is not None:
