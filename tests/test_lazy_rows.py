@@ -102,6 +102,8 @@ READS = {
     "cast": lambda p: p.float()[1, 1, 1],
     "stack": lambda p: torch.stack([p, p * 2])[1, 0, 2],
     "cat": lambda p: torch.cat([p[:1], p], 0)[2, 1].sum(-1),
+    "head-mean-reshaped": lambda p: p.mean(1).reshape(B, 1, L, S)[1, 0, 2:5],
+    "head-means-stacked": lambda p: torch.stack([p.mean(1), p.sum(1)])[:, 0, 5].sum(-1),
 }
 
 

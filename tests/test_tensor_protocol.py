@@ -77,6 +77,8 @@ HABITS = {
     "bfloat16-row": (LAZY, lambda w: w.to(torch.bfloat16).float()[0, 1, 3]),
     "head-mean-row": (LAZY, lambda w: w.mean(1)[1, 2]),
     "head-mean-image": (EXPR, lambda w: w.mean(1)[0]),
+    "head-mean-unsqueeze": (EXPR, lambda w: w.mean(1).unsqueeze(1)),
+    "head-means-stacked-row": (LAZY, lambda w: torch.stack([w.mean(1), w.amax(1)])[1, 0, 3]),
     "transpose": (EXPR, lambda w: w.mT),
     "transpose-row": (LAZY, lambda w: w.mT[..., 2, :]),
     "transpose-sums": (LAZY, lambda w: w.transpose(-2, -1).sum(-1)),

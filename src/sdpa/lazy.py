@@ -439,8 +439,9 @@ class LazyExpr(LazyTensor):
         the operands (else None): each lazy
         one moved alike, each plain tensor's broadcast view moved (a copy only where its
         query and key dims are not both whole: O(lead x (L + S))); a transpose moves its
-        weights with the last two dims swapped. None for a reduction over leading dims,
-        or where an operand has no lazy form."""
+        weights with the last two dims swapped; a reduction over leading dims (the head
+        mean), whose operand cannot move alike, moves as a view of its rows (ROWS_VIEW).
+        None where an operand has no lazy form."""
         self._check_fresh()
         shape = self._shape()
         if len(new) < 2 or new[-2:] != shape[-2:]:
@@ -448,8 +449,8 @@ class LazyExpr(LazyTensor):
         if self._func is _transposed:
             turned = self._args[0]._lead_moved((*new[:-2], new[-1], new[-2]), grow)
             return None if turned is None else transpose(turned)
-        if isinstance(self._func, LeadReduction):
-            return None
+        if isinstance(self._func, LeadReduction):  # (its rows, read where they are)
+            return ROWS_VIEW[0](self)._lead_moved(new, grow) if ROWS_VIEW else None
 
         def move(a: object) -> object:
             if isinstance(a, LazyTensor):
@@ -1233,6 +1234,10 @@ def _to(x: LazyExpr, *args: object, **kwargs: object) -> torch.Tensor:
             return made
     return on_dense(T.to, (x, *args), kwargs)
 
+
+ROWS_VIEW: list[Callable[[LazyTensor], LazyTensor]] = []
+"""A lazy tensor as a view of its rows, each read through its own reads (sdpa.lazy_rows
+adds `LazyRows.over` when imported): what a reduction over leading dims reshapes."""
 
 EXPR_READS: dict[Callable, Callable] = {
     T.__getitem__: _getitem,

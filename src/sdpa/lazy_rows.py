@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from sdpa import leads, settings, tile
 from sdpa.lazy import (
     EXPR_READS,
+    ROWS_VIEW,
     LazyExpr,
     LazyTensor,
     _advanced,
@@ -85,6 +86,16 @@ class LazyRows(LazyExpr):
         *lead, L, S = shape
         grid = Grid(tuple(lead), list(range(math.prod(lead))))
         return cls(read, grid, L, S, dtype, device, grad, fresh)
+
+    @classmethod
+    def over(cls, x: LazyTensor) -> LazyRows:
+        """Any lazy tensor (*lead, L, S) as a LazyRows, each row read through x's own
+        reads at its lead position (what a head mean, which has no lazy reshape of its
+        own, reshapes as)."""
+        shape = tuple(metadata(T.size, (x,), {}))
+        dtype, device = metadata(T.dtype.__get__, (x,), {}), metadata(T.device.__get__, (x,), {})
+        grad = x.requires_grad  # (the lazy answer: whether its reads carry a gradient)
+        return cls.of(_rows_of_tensor(x, True), shape, dtype, device, grad, x._check_fresh)
 
     def _derive(self, grid: Grid | None = None, grad: bool | None = None) -> LazyRows:
         """This view with other source rows (grid) or grad."""
@@ -255,20 +266,36 @@ def _row_chunks(rows: object, L: int, step: int) -> list[object]:
     return out or [slice(0, 0)]
 
 
-def _rows_of_tensor(x: LazyTensor) -> Read:
+def _rows_of_tensor(x: LazyTensor, by_position: bool = False) -> Read:
     """read(ids, rows) of any lazy tensor (*lead, L, S): its own lead view and rows (a
-    run of ids as a slice of its rows, read without a tensor index)."""
+    run of ids as a slice of its rows, read without a tensor index); by_position (or
+    where x has no lazy reshape), each id's rows read at its lead position."""
     shape = tuple(metadata(T.size, (x,), {}))
-    L, S = shape[-2:]
-    flat = x.reshape(-1, L, S)
+    lead, (L, S) = shape[:-2], shape[-2:]
+    flat = None if by_position else x._lead_moved((math.prod(lead), L, S), False)
 
     def read(ids: list, rows: object) -> T:
+        if flat is None:
+            got = [_dense(x[(*_unravel(i, lead), rows)]) for i in ids]
+            return torch.stack(got)
         run = ids == list(range(ids[0], ids[0] + len(ids)))
         picked = flat[ids[0] : ids[-1] + 1] if run else flat[ids]
-        got = picked[:, rows]
-        return got.full(None) if isinstance(got, LazyTensor) else got  # (every row: a view)
+        return _dense(picked[:, rows])
 
     return read
+
+
+def _dense(t: T) -> T:
+    return t.full(None) if isinstance(t, LazyTensor) else t  # (every row: a lazy view)
+
+
+def _unravel(i: int, lead: tuple[int, ...]) -> tuple[int, ...]:
+    """Flat lead position i as one int per lead dim (row-major)."""
+    out = []
+    for n in reversed(lead):
+        i, at = divmod(i, n)
+        out.append(at)
+    return tuple(reversed(out))
 
 
 def join(func: Callable, tensors: object, dim: object) -> T | None:
@@ -334,8 +361,10 @@ def join_read(func: Callable) -> Callable:
     return joined
 
 
-# lazy expressions join by their rows too (sdpa.lazy's table, which cannot import this)
+# lazy expressions join by their rows too, and a head mean reshapes as a view of its rows
+# (sdpa.lazy's tables, which cannot import this)
 EXPR_READS.update({torch.stack: join_read(torch.stack), torch.cat: join_read(torch.cat)})
+ROWS_VIEW.append(LazyRows.over)
 
 _OWN: dict[Callable, Callable] = {
     **dict.fromkeys((torch.detach, T.detach, T.data.__get__), LazyRows.detach),
