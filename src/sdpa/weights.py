@@ -1477,19 +1477,20 @@ def _lse_within(w: AttentionWeights, limit: float) -> bool:
     return bool((lse.abs() <= limit).all())
 
 
-def _held_entropy(held: torch.Tensor) -> torch.Tensor:
-    """-sum p ln p of the kept weights; p = 0 adds 0 * ln(tiny) = 0 (torch's entr is 3x
-    slower on CPU); a NaN row stays NaN."""
-    logp = held.clamp_min(torch.finfo(held.dtype).tiny).log()
-    if held.requires_grad and torch.is_grad_enabled():  # (out of place: autograd reads them)
-        return -(logp * held).sum(dim=-1)
-    return logp.mul_(held).sum(dim=-1).neg_()
+def probs_entropy(p: torch.Tensor) -> torch.Tensor:
+    """-sum p ln p over the last dim of weights p (kept weights, eager's dense pattern, or
+    a lazy tensor of rows, summed row by row): p = 0 adds 0 * ln(tiny) = 0 (torch's entr
+    is 3x slower on CPU); a NaN row stays NaN."""
+    logp = p.clamp_min(torch.finfo(p.dtype).tiny).log()
+    if isinstance(logp, LazyTensor) or (p.requires_grad and torch.is_grad_enabled()):
+        return -(logp * p).sum(dim=-1)  # (out of place: autograd, or the rows, read them)
+    return logp.mul_(p).sum(dim=-1).neg_()
 
 
 HELD: dict[str, Callable[..., object]] = {
     "full": torch.clone,
     "sum": lambda p: p.sum(dim=-2),
-    "entropy": _held_entropy,
+    "entropy": probs_entropy,
     "amax": lambda p: p.amax(dim=-1),
     "topk": lambda p, k: p.topk(k, dim=-1),
 }

@@ -72,7 +72,7 @@ from sdpa.errors import (
 from sdpa.functional import attention
 from sdpa.lazy import LazyTensor
 from sdpa.lazy_rows import LazyRows
-from sdpa.weights import CASTS, AttentionWeights
+from sdpa.weights import CASTS, AttentionWeights, probs_entropy
 
 F = torch.nn.functional
 T = torch.Tensor
@@ -603,8 +603,7 @@ class Deferred(torch.Tensor):
     def entropy(self) -> T:
         """-sum_j p_ij ln p_ij per query row, in nats: (*lead, L)."""
         if isinstance(self._node, Dense):
-            p = self._node.t
-            return -(p * p.clamp_min(torch.finfo(p.dtype).tiny).log()).sum(dim=-1)
+            return probs_entropy(self._node.t)
         node = self._node
         if getattr(node, "kind", None) != "pattern":
             raise SdpaValueError("entropy is a read of an attention pattern, not of the scores")
@@ -614,7 +613,7 @@ class Deferred(torch.Tensor):
         if view is None:
             view = self._dense()
         with dense_limited(None if in_forward() else self._budget):
-            return -(view * view.clamp_min(torch.finfo(view.dtype).tiny).log()).sum(dim=-1)
+            return probs_entropy(view)
 
     # -- the dispatch --
 
