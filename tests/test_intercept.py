@@ -161,6 +161,10 @@ VIEWS = {
     "unsqueeze": lambda s: s.unsqueeze(0),
     "detach": lambda s: s.detach(),
     "whole": lambda s: s[:, :],
+    "paired-lists": lambda s: s[[0, 1], [2, 0]],
+    "list": lambda s: s[:, [2, 0]],
+    "view-of-a-view": lambda s: s[:, 1:][1, [1, 0, 1]],
+    "lead-mask": lambda s: s[torch.tensor([[True, False, True], [False, True, True]])],
 }
 
 
@@ -183,6 +187,34 @@ def test_a_view_taken_before_the_change_sees_it(view, changed):
 
     want, got, _, _ = both(code, q, k, v_)
     for g, w in zip(got, want, strict=True):
+        close(g, w)
+
+
+LEAD_VIEWS = [
+    ([0, 1], [2, 0]),
+    (torch.tensor([1, 1]), torch.tensor([0, 2])),
+    (slice(None), [2, 0]),
+    (0, [2, 0, 2]),
+    (torch.tensor([[True, False, True], [False, True, True]]),),
+    (-1, None),
+]
+
+
+@pytest.mark.parametrize("index", LEAD_VIEWS, ids=[str(i) for i in range(len(LEAD_VIEWS))])
+def test_a_lead_view_of_a_replayed_pattern_is_torchs(index):
+    """An index of the lead dims of eager's replayed pattern (a float bias), in the
+    forward and after it, is the lead index torch makes (two lists pair up): its shape
+    and values, and a view of it."""
+    q, k, v, bias = inputs()
+
+    def code(q, k, v):
+        out, p = finish(scores(q, k) + bias, v)
+        return out, p, p[index], p[index][..., 1:3, :]
+
+    want, got, _, _ = both(code, q, k, v)
+    for g, w in zip((*got, got[1][index], got[1][index][..., 2, :]),
+                    (*want, want[1][index], want[1][index][..., 2, :]), strict=True):  # fmt: skip
+        assert g.shape == w.shape
         close(g, w)
 
 

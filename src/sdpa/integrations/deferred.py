@@ -60,7 +60,7 @@ from typing import NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sdpa import indexing, masks
+from sdpa import indexing, leads, masks
 from sdpa.budget import DEFAULT_MAX_BYTES, check_fits, dense_limited
 from sdpa.errors import (
     NotSupportedError,
@@ -71,7 +71,7 @@ from sdpa.errors import (
 )
 from sdpa.functional import attention
 from sdpa.lazy import LazyTensor
-from sdpa.lazy_rows import LazyRows
+from sdpa.lazy_rows import Grid, LazyRows
 from sdpa.weights import CASTS, AttentionWeights, probs_entropy
 
 F = torch.nn.functional
@@ -418,12 +418,11 @@ def _frozen(a: object) -> object:
 @dataclass(frozen=True)
 class Selection:
     """(b, h, r) of a (B, H, L, S) tensor, each a slice or a 1-D int64 tensor of
-    positions (dims kept), or None for all; `drop` lists the dims an int index removes."""
+    positions (dims kept), or None for all: the block a replay computes."""
 
     b: slice | T | None = None
     h: slice | T | None = None
     r: slice | T | None = None
-    drop: tuple[int, ...] = ()
 
 
 def _pick(t: T, sel: Selection | None) -> T:
@@ -504,7 +503,7 @@ class Deferred(torch.Tensor):
     values from _source's); _source lists its live views in _views."""
 
     _node: object
-    _lead: Selection | None
+    _lead: Grid | None
     _to: tuple[tuple[torch.device, torch.dtype], ...] | None
     _budget: int | None
     _detached: bool
@@ -685,7 +684,9 @@ class Deferred(torch.Tensor):
         with _grad(self):
             if isinstance(node, Marker):
                 return self._convert(node.build())
-            t = _squeeze(_rows(node, self._lead, None), self._lead)
+            B, H, L, S = node.shape
+            grid = self._lead or Grid((B, H), list(range(B * H)))
+            t = _grid_rows(node, grid.rows, slice(None)).reshape(*grid.lead, L, S)
             return self._convert(t.full(None) if isinstance(t, LazyTensor) else t)
 
 
@@ -779,16 +780,9 @@ def _edited_weights(node: Node) -> T | None:
 def _replayed(node: Node, unchanged: Unchanged) -> LazyRows:
     """node's exact eager values (B, H, L, S) as a lazy tensor: its rows replayed (with
     its edits) as they are read; stale with the node's inputs and with `unchanged`."""
-    H = node.shape[1]
 
     def read(ids: list, rows: slice | T) -> T:
-        bs, hs = sorted({i // H for i in ids}), sorted({i % H for i in ids})
-        sel = Selection(_chosen(bs, node.shape[0]), _chosen(hs, H), None)
-        t = _rows(node, sel, rows)  # (b, h, n, S) over every pair of bs and hs
-        t = t.reshape(len(bs) * len(hs), *t.shape[2:])
-        at = {(b, h): n for n, (b, h) in enumerate((b, h) for b in bs for h in hs)}
-        order = [at[(i // H, i % H)] for i in ids]
-        return t if order == list(range(len(at))) else t[torch.tensor(order)]
+        return _grid_rows(node, ids, rows)
 
     def fresh() -> None:
         node.check_fresh()
@@ -796,6 +790,20 @@ def _replayed(node: Node, unchanged: Unchanged) -> LazyRows:
 
     grad = any(t.requires_grad for t in node._watched())
     return LazyRows.of(read, node.shape, node.dtype, node.device, grad, fresh)
+
+
+def _grid_rows(node: Node, ids: list[int], rows: slice | T) -> T:
+    """node's values (len(ids), n, S) at lead positions ids (flat, among B x H) and query
+    rows `rows`: the block of every pair of their batch entries and heads (_rows), then
+    those pairs in the order asked."""
+    B, H = node.shape[:2]
+    bs, hs = sorted({i // H for i in ids}), sorted({i % H for i in ids})
+    sel = Selection(_chosen(bs, B), _chosen(hs, H), None if rows == slice(None) else rows)
+    t = _rows(node, sel)  # (b, h, n, S) over every pair of bs and hs
+    t = t.reshape(len(bs) * len(hs), *t.shape[2:])
+    at = {(b, h): n for n, (b, h) in enumerate((b, h) for b in bs for h in hs)}
+    order = [at[(i // H, i % H)] for i in ids]
+    return t if order == list(range(len(at))) else t[torch.tensor(order)]
 
 
 def _chosen(values: list[int], n: int) -> slice | T | None:
@@ -894,68 +902,23 @@ class LazyPattern(Deferred):
 # ---- views and row reads ----
 
 
-def _lead_sizes(node_shape: tuple[int, ...], lead: Selection | None) -> tuple[int, ...]:
-    """The view's shape: node (B, H, L, S) with lead chosen."""
-    B, H, L, S = node_shape
-    out = []
-    for dim, (n, index) in enumerate(
-        ((B, lead.b if lead else None), (H, lead.h if lead else None))
-    ):
-        if lead is not None and dim in lead.drop:
-            continue
-        out.append(_count(index, n))
-    return (*out, L, S)
-
-
-def _count(index: slice | T | None, n: int) -> int:
-    if index is None:
-        return n
-    if isinstance(index, slice):
-        return len(range(*index.indices(n)))
-    return index.numel()
-
-
-def _compose(outer: slice | T | None, inner: object, n: int) -> slice | T:
-    """Positions among n chosen by `inner` (an int, slice or int tensor, relative to the
-    positions `outer` chose), as a slice where evenly spaced, else an int64 tensor."""
-    base = torch.arange(n) if outer is None else torch.arange(n)[outer]
-    picked = base[inner % len(base)].reshape(1) if isinstance(inner, int) else base[inner]
-    if picked.numel() == 0:
-        return picked
-    first = int(picked[0])
-    step = int(picked[1] - picked[0]) if picked.numel() > 1 else 1
-    if step > 0 and torch.equal(picked, torch.arange(first, int(picked[-1]) + 1, step)):
-        return slice(first, int(picked[-1]) + 1, step)
-    return picked
-
-
-def _lead_of(t: T, lead: Selection | None) -> T:
-    """t (B, H, ...) restricted to the lead selection, the dims it drops squeezed: by
-    indexing, so a lazy t (the weights, replayed rows) gives a lazy view."""
-    if lead is None:
+def _lead_of(t: T, grid: Grid | None) -> T:
+    """t (B, H, ...) at a view's lead rows (grid: its lead shape and flat B x H positions):
+    by flattening and indexing, so a lazy t (the weights, replayed rows) gives a lazy
+    view."""
+    if grid is None:
         return t
-    for dim, index in ((0, lead.b), (1, lead.h)):
-        if index is not None:
-            at = index if isinstance(index, slice) else index.to(t.device)
-            t = t[(slice(None),) * dim + (at,)]
-    for dim in sorted(lead.drop, reverse=True):
-        t = t.squeeze(dim)
-    return t
+    rows = grid.rows
+    run = bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
+    flat = t.flatten(0, 1)
+    picked = flat[rows[0] : rows[-1] + 1] if run else flat[torch.tensor(rows, dtype=torch.long)]
+    return picked.reshape(*grid.lead, *picked.shape[1:])
 
 
-def _squeeze(t: T, lead: Selection | None) -> T:
-    if lead is None:
-        return t
-    for dim in sorted(lead.drop, reverse=True):
-        t = t.squeeze(dim)
-    return t
-
-
-def _rows(node: Node, lead: Selection | None, r: slice | T | None) -> T:
-    """The (B', H', n, S) values of node at the lead selection and rows r (None: all),
-    dims kept: from sdpa's weights where they equal the pattern and are computed (or the
-    pattern has no recorded ops), else replayed (exact eager) rows, with edits applied."""
-    sel = Selection(lead.b if lead else None, lead.h if lead else None, r)
+def _rows(node: Node, sel: Selection) -> T:
+    """The (B', H', n, S) values of node at a selection, dims kept: from sdpa's weights
+    where they equal the pattern and are computed (or the pattern has no recorded ops),
+    else replayed (exact eager) rows, with edits applied."""
     fused = node.kind == "pattern" and node.fused
     if not node.replayable or (fused and node.call.weights is not None):
         return _from_weights(node.call.get_weights(), sel)
@@ -988,7 +951,9 @@ def _positions(sel: Selection, shape: tuple[int, ...]) -> Where:
 
 def _from_weights(w: AttentionWeights, sel: Selection) -> T:
     """w's values at sel (dims kept): its lazy lead view's rows."""
-    w = _lead_of(w, replace(sel, r=None, drop=()))
+    for dim, index in ((0, sel.b), (1, sel.h)):  # (one dim at a time: their product)
+        if index is not None:
+            w = w[(slice(None),) * dim + (index,)]
     t = w[:, :, sel.r] if sel.r is not None else w
     return t.full(None) if isinstance(t, LazyTensor) else t
 
@@ -1521,13 +1486,10 @@ def _drop_sink(x: Deferred, index: object) -> object:
     sdpa call with masks.sinks."""
     node: Node = x._node
     S = node.shape[-1] - 1
-    items = _normalize(index, node.shape)
+    items = indexing.spread(index, len(node.shape))
     if (
-        items is None
-        or not all(
-            isinstance(it, slice) and range(*it.indices(n)) == range(n)
-            for it, n in zip(items[:-1], node.shape[:-1], strict=True)
-        )
+        len(items) != len(node.shape)
+        or not all(map(_covers, items[:-1], node.shape[:-1]))
         or not isinstance(items[-1], slice)
         or range(*items[-1].indices(S + 1)) != range(S)
     ):
@@ -1846,20 +1808,14 @@ def _lead_view(x: Deferred, index: object) -> object:
     node: Node = x._node
     if not node.shape or len(node.shape) != 4:
         return NotImplemented
-    shape = tuple(x.shape)
-    items = _normalize(index, shape)
-    if items is None:
+    part = leads.lead_index(index, len(x.shape))  # (torch's indexing of the lead grid)
+    if part is None:
         return NotImplemented
-    lead_dims = len(shape) - 2
-    lead_items, q_item, k_item = items[:lead_dims], items[-2], items[-1]
-    whole = lambda it, n: isinstance(it, slice) and range(*it.indices(n)) == range(n)  # noqa: E731
-    if not (whole(q_item, node.shape[-2]) and whole(k_item, node.shape[-1])):
-        return NotImplemented
-    lead = _compose_lead(x._lead, lead_items, node.shape)
-    if lead is None:
-        return NotImplemented
-    lead = None if lead is _WHOLE else lead
-    view = x._derive(shape=_lead_sizes(node.shape, lead), lead=lead)
+    B, H, L, S = node.shape
+    now = x._lead or Grid((B, H), list(range(B * H)))
+    grid = now.pick(*leads.lead_rows(now.lead, part))
+    whole = grid.lead == (B, H) and grid.rows == list(range(B * H))
+    view = x._derive(shape=(*grid.lead, L, S), lead=None if whole else grid)
     return _alias(x, view, T.__getitem__, (x, index), {})
 
 
@@ -1880,87 +1836,13 @@ def _read(x: Deferred, func, args, kwargs) -> object:
 
 def _is_whole(index: object, shape: tuple[int, ...]) -> bool:
     """Whether index picks every entry of every dim (x[:, :], x[...])."""
-    items = _normalize(index, shape)
-    return items is not None and all(
-        isinstance(it, slice) and range(*it.indices(n)) == range(n)
-        for it, n in zip(items, shape, strict=True)
-    )
-
-
-def _normalize(index: object, shape: tuple[int, ...]) -> list | None:
-    """One item per dim (ints, slices, 1-D int tensors / lists; '...' spread by
-    sdpa.indexing), or None for indices a deferred tensor does not take (None, bools,
-    multi-dim tensors). Raises torch's IndexError for too many indices or a second '...'."""
     items = indexing.spread(index, len(shape))
-    if len(items) != len(shape):  # (None, a bool, a boolean mask of 2+ dims)
-        return None
-    out = []
-    for size, item in zip(shape, items, strict=True):
-        if isinstance(item, bool) or item is None:
-            return None
-        if isinstance(item, slice):
-            if item.step is not None and item.step <= 0:
-                return None
-            out.append(item)
-        elif isinstance(item, int):
-            out.append(item)
-        elif isinstance(item, list | range) and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in item
-        ):
-            t = torch.tensor(list(item), dtype=torch.long)
-            if t.numel() and not bool(((t >= -size) & (t < size)).all()):
-                raise IndexError(f"an index is out of bounds for a dim of size {size}")
-            out.append(t % size)
-        elif hasattr(item, "__index__") and not hasattr(item, "shape"):
-            out.append(int(item))
-        else:
-            try:
-                t = torch.as_tensor(item) if not isinstance(item, torch.Tensor) else item
-            except (TypeError, ValueError, RuntimeError):
-                return None
-            if isinstance(t, Deferred) or t.dtype in (torch.bool,) or t.is_floating_point():
-                return None
-            if t.ndim == 0:
-                out.append(int(t))
-            elif t.ndim == 1:
-                t = t.to("cpu", torch.long)
-                if t.numel() and not bool(((t >= -size) & (t < size)).all()):
-                    raise IndexError(f"an index is out of bounds for a dim of size {size}")
-                out.append(t % size)
-            else:
-                return None
-    return out
+    return len(items) == len(shape) and all(map(_covers, items, shape))
 
 
-_WHOLE = Selection()  # a lead selection of every entry (the view is the whole tensor)
-
-
-def _compose_lead(
-    lead: Selection | None, items: list, node_shape: tuple[int, ...]
-) -> Selection | None:
-    """The view's lead selection after indexing its lead dims with items."""
-    B, H = node_shape[0], node_shape[1]
-    current = [lead.b if lead else None, lead.h if lead else None]
-    drop = set(lead.drop) if lead else set()
-    kept = [d for d in (0, 1) if d not in drop]  # the view's lead dims, as node dims
-    if len(items) != len(kept):
-        return None
-    for dim, item in zip(kept, items, strict=True):
-        n = (B, H)[dim]
-        if isinstance(item, int):
-            size = _count(current[dim], n)
-            if not -size <= item < size:
-                raise IndexError(f"index {item} is out of bounds for dim {dim} with size {size}")
-            item %= size
-            drop.add(dim)
-        current[dim] = _compose(current[dim], item, n)
-    for dim, n in ((0, B), (1, H)):
-        index = current[dim]
-        if isinstance(index, slice) and range(*index.indices(n)) == range(n):
-            current[dim] = None  # every entry: no selection
-    if current == [None, None] and not drop:
-        return _WHOLE
-    return Selection(current[0], current[1], None, tuple(sorted(drop)))
+def _covers(item: object, n: int) -> bool:
+    """Whether an index entry is a slice of every one of n entries."""
+    return isinstance(item, slice) and range(*item.indices(n)) == range(n)
 
 
 # ---- the reads a forward makes of a pattern, answered by sdpa.lazy ----
