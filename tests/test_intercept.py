@@ -218,6 +218,25 @@ def test_a_lead_view_of_a_replayed_pattern_is_torchs(index):
         close(g, w)
 
 
+@pytest.mark.parametrize("after", ["view", "cumsum"])
+def test_folded_scores_of_a_bmm_are_eagers(after):
+    """bmm of (B*H, L, D) tensors (BLOOM's, LED's): the folded scores' dense values,
+    read by an op no lazy read takes (cumsum) or after the view to (B, H, L, S), and the
+    pattern and output are eager's."""
+    q, k, v, _ = inputs()
+    fold = lambda t: t.reshape(B * H, *t.shape[2:])  # noqa: E731
+
+    def code(q, k, v):
+        s = torch.bmm(fold(q), fold(k).transpose(1, 2)) * D**-0.5  # (B*H, L, S)
+        read = s.cumsum(-1) if after == "cumsum" else s.view(B, H, L, S)
+        p = torch.softmax(s, dim=-1)
+        return torch.bmm(p, fold(v)), p, read
+
+    want, got, _, _ = both(code, q, k, v)
+    for g, w in zip(got, want, strict=True):
+        close(g, w)
+
+
 def test_a_mask_built_in_place_and_changed_after_use():
     """tril_() on the bool ones eager builds (kept symbolic until then), and those masks
     changed after the scores used them: the scores keep what eager computed then."""

@@ -684,9 +684,11 @@ class Deferred(torch.Tensor):
         with _grad(self):
             if isinstance(node, Marker):
                 return self._convert(node.build())
-            B, H, L, S = node.shape
-            grid = self._lead or Grid((B, H), list(range(B * H)))
-            t = _grid_rows(node, grid.rows, slice(None)).reshape(*grid.lead, L, S)
+            if self._lead is None:  # (also a folded (B*H, L, S) product's)
+                t = _rows(node, Selection())
+            else:
+                grid, (L, S) = self._lead, node.shape[-2:]
+                t = _grid_rows(node, grid.rows, slice(None)).reshape(*grid.lead, L, S)
             return self._convert(t.full(None) if isinstance(t, LazyTensor) else t)
 
 
