@@ -52,13 +52,15 @@ def is_whole(item: object) -> bool:
     return isinstance(item, slice) and item == slice(None)
 
 
-def basic_form(index: object, ndim: int) -> tuple[tuple, list[int]] | None:
-    """x[index] (x of ndim dims) as x[plain].unsqueeze(d) for each d of dims in turn,
+def basic_form(index: object, shape: tuple[int, ...]) -> tuple[tuple, list[int]] | None:
+    """x[index] (x of this shape) as x[plain].unsqueeze(d) for each d of dims in turn,
     where index adds dims with None among ints, slices and '...' alone (with a tensor or
     list among them torch places the added dims otherwise), or picks query or key
-    positions (the last two dims) with a 1-D boolean mask, which becomes its positions
-    (as torch's own indexing turns it: it reads the mask's values, a host sync on a
-    device); None where neither applies (or torch refuses the index: it says why)."""
+    positions (the last two dims) with a 1-D boolean mask of the dim's size, which
+    becomes its positions (as torch's own indexing turns it: it reads the mask's values,
+    a host sync on a device); None where neither applies (or torch refuses the index:
+    it says why)."""
+    ndim = len(shape)
     try:
         items = spread(index, ndim)
     except IndexError:
@@ -74,7 +76,7 @@ def basic_form(index: object, ndim: int) -> tuple[tuple, list[int]] | None:
         return tuple(item for item in items if item is not None), dims
     changed, taken = False, 0
     for n, item in enumerate(items):
-        if taken >= ndim - 2 and _mask_1d(item):
+        if taken >= ndim - 2 and _mask_1d(item) and item.shape[0] == shape[taken]:
             items[n] = item.nonzero().squeeze(1)
             changed = True
         taken += dims_taken(item)

@@ -1046,7 +1046,7 @@ def basic_index(x: LazyTensor, index: object, at: Callable) -> torch.Tensor:
     (indexing.basic_form: the index without None, the added dims unsqueezed after)."""
     if not _adds_or_masks(index):
         return at(index)  # (the indices made most, decided without spreading them)
-    basic = indexing.basic_form(index, len(metadata(T.size, (x,), {})))
+    basic = indexing.basic_form(index, tuple(metadata(T.size, (x,), {})))
     if basic is None:
         return at(index)
     plain, dims = basic
