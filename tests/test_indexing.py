@@ -65,16 +65,23 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_spread_reads_as_torch_reads_the_index(seed):
+def _indexed(seed: int, n: int = 25):
+    """(x, index, x[index]) for n random indices of a SHAPE tensor x, those torch takes
+    (it refuses e.g. a '...' placed after a mask's dims)."""
     rng = random.Random(seed)
     x = torch.arange(np.prod(SHAPE), dtype=torch.float32).reshape(SHAPE)
-    for _ in range(25):
+    for _ in range(n):
         index = _index(rng)
         try:
             want = x[index]
-        except IndexError:  # (e.g. a '...' placed after a mask's dims)
+        except IndexError:
             continue
+        yield x, index, want
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_spread_reads_as_torch_reads_the_index(seed):
+    for x, index, want in _indexed(seed):
         items = indexing.spread(index, x.ndim)
         assert not any(i is Ellipsis for i in items)
         assert sum(indexing.dims_taken(i) for i in items) == x.ndim, index
@@ -123,14 +130,7 @@ def test_basic_form_reads_as_torch_reads_the_index(seed):
     with the added dims unsqueezed in turn is x[index]; it gives one for every index of
     ints, slices, '...' and None with a None, and for every one whose last two dims take
     a 1-D boolean mask."""
-    rng = random.Random(seed)
-    x = torch.arange(np.prod(SHAPE), dtype=torch.float32).reshape(SHAPE)
-    for _ in range(25):
-        index = _index(rng)
-        try:
-            want = x[index]
-        except IndexError:
-            continue
+    for x, index, want in _indexed(seed):
         form = indexing.basic_form(index, SHAPE)
         items = indexing.spread(index, x.ndim)
         added = any(i is None for i in items)
