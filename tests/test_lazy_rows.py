@@ -104,6 +104,7 @@ READS = {
     "cat": lambda p: torch.cat([p[:1], p], 0)[2, 1].sum(-1),
     "head-mean-reshaped": lambda p: p.mean(1).reshape(B, 1, L, S)[1, 0, 2:5],
     "head-means-stacked": lambda p: torch.stack([p.mean(1), p.sum(1)])[:, 0, 5].sum(-1),
+    "batch-mean-flattened": lambda p: torch.stack([p, p * 2]).mean(1).flatten(0, 1)[5, 3],
 }
 
 
