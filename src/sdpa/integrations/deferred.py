@@ -800,7 +800,7 @@ def _grid_rows(node: Node, ids: list[int], rows: slice | T) -> T:
     those pairs in the order asked."""
     B, H = node.shape[:2]
     bs, hs = sorted({i // H for i in ids}), sorted({i % H for i in ids})
-    sel = Selection(_chosen(bs, B), _chosen(hs, H), None if rows == slice(None) else rows)
+    sel = Selection(_chosen(bs, B), _chosen(hs, H), rows)
     t = _rows(node, sel)  # (b, h, n, S) over every pair of bs and hs
     t = t.reshape(len(bs) * len(hs), *t.shape[2:])
     at = {(b, h): n for n, (b, h) in enumerate((b, h) for b in bs for h in hs)}
