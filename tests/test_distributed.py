@@ -402,7 +402,9 @@ def test_a_rank_failing_mid_call_or_skipping_backward_gives_errors_not_a_hang(wh
         ("hybrid", "backward"): ["Ulysses' all-to-all of grad", "backward ring step"],
     }[scheme, where]
     for message in (first, *middle):  # every rank needs the last one's shard or heads
-        assert message.startswith("RingTimeoutError after"), message
+        # a timeout, or (where the failed rank's connection closed first) a lost peer
+        lost = message.startswith("RingError after") and "closed by peer" in message
+        assert message.startswith("RingTimeoutError after") or lost, message
         assert 1.5 <= float(message.split()[2]) <= 10, message
         assert any(s in message for s in steps) and "every rank runs it" in message, message
         assert "destroy_process_group()" in message, message

@@ -152,16 +152,18 @@ class Ring:
 
     def wait(self, works, what: Callable[[], str]) -> None:
         """Wait for `works` (torch.distributed handles) within the timeout: a timeout
-        raises RingTimeoutError saying the group is unusable, another failure RingError;
-        what() says what was awaited."""
+        raises RingTimeoutError saying the group is unusable, another failure RingError
+        (saying so too where a peer's connection closed: a rank failed); what() says
+        what was awaited."""
         try:
             for w in works:
                 w.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
             said = str(e).lower()
             timed_out = "timeout" in said or "timed out" in said
+            lost = "closed by peer" in said or "reset by peer" in said
             kind = RingTimeoutError if timed_out else RingError
-            after = f"; {AFTER_TIMEOUT}" if timed_out else ""
+            after = f"; {AFTER_TIMEOUT}" if timed_out or lost else ""
             raise kind(f"rank {self.rank}: {what()} ({e}){after}") from None
 
     def start(
