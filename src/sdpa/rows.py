@@ -429,6 +429,48 @@ def stat_budget(r: Rows) -> int:
     return min(STRETCH * budget, max(budget, STAT_ROWS * row))
 
 
+# The single-pass statistics of rows whose LSE is exact (`_inexact` false) take their
+# tiles in blocks of keys: the LSE is every block's shift (p = exp(s - lse), the flash
+# identity, within the listing's error: tests/test_precision.py), so a row's sums over
+# keys add up across blocks, and a block's scores, exponentials and row sums stay in
+# the cache between its passes, where a whole row of 16384 keys goes through memory on
+# each. Row tiles of up to BLOCK_ROWS rows (of one head, within chunk_bytes of keys per
+# block: a product of many rows runs far faster than one of few), blocks of at most
+# chunk_bytes. Measured at (1, 4, 16384, 32) fp32, two threads, against the fused
+# forward, entropy: blocks of 256 rows x 1024 keys 0.96x, 1024 x 1024 0.74x, 2048 x 512
+# 0.70x (medians of 4); whole rows of 256 rows 1.6x.
+BLOCK_ROWS = 2048
+
+
+def block_budget(r: Rows) -> int:
+    """Bytes of the row tiles of a blocked statistic (`pieces`): BLOCK_ROWS rows of one
+    head, every key (no buffer of this size is made: its pieces are)."""
+    return max(stat_budget(r), BLOCK_ROWS * r.shape[3] * (torch.finfo(r.dtype).bits // 8))
+
+
+def pieces(r: Rows, t: Tile) -> list[Tile]:
+    """The pieces of tile t of complete rows (of `tiles(r, block_budget(r))`) that a
+    single-pass statistic computes, in one of two ways: where its rows' LSE is exact
+    (on CPU, every |lse| within exact_lse_limit), blocks of its keys of at most
+    chunk_bytes of weights, in key order, shifted by the LSE; else chunks of its rows
+    within stat_budget, every key, shifted by their max (_shifted)."""
+    h, n, m = len(t.heads), t.at_r.stop - t.at_r.start, width(r, t)
+    per = tile.chunk_rows(h, n, r.dtype)  # keys of h x n rows (rows of h x n keys)
+    if per >= m:  # (then the tile is within chunk_bytes)
+        return [t]
+    lse = tile.cut(r.lse[t.b : t.b + 1, _heads_slice(t.heads)], 2, t.q_rows)
+    if _inexact(lse):
+        step = max(1, tile.chunk_rows(h, m, r.dtype, budget=stat_budget(r)))
+        L = r.inputs.query.shape[2]
+        return [
+            t._replace(at_r=slice(t.at_r.start + i, t.at_r.start + j),
+                       q_rows=_sub_rows(t.q_rows, L, i, j))
+            for i, j in ((i, min(n, i + step)) for i in range(0, n, step))
+        ]  # fmt: skip
+    lo = 0 if t.keys == ALL else t.keys.start
+    return [t._replace(keys=slice(k0, min(lo + m, k0 + per))) for k0 in range(lo, lo + m, per)]
+
+
 def results(r: Rows, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A reader's output over the selection's rows: uninitialised where every row is
     computed, zeros where rows may be left out (Rows.real: they read as 0)."""
@@ -612,15 +654,30 @@ def key_sums(r: Rows) -> torch.Tensor:
     return out.to(r.dtype)
 
 
+class _Buffer:
+    """One reusable buffer for the pieces of a read, grown on demand (fresh pages fault
+    on every allocation): `of(r, piece)` views it as the piece's (1, h, rows, keys)."""
+
+    def __init__(self, r: Rows):
+        self.t = torch.empty(0, dtype=r.dtype, device=r.device)
+
+    def of(self, r: Rows, t: Tile) -> torch.Tensor:
+        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, width(r, t))
+        if self.t.numel() < math.prod(shape):
+            self.t = torch.empty(math.prod(shape), dtype=self.t.dtype, device=self.t.device)
+        return self.t[: math.prod(shape)].view(shape)
+
+
 @_eager
 def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
     """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key. One
-    pass over each tile: the scores shifted by the LSE in the product (or by the row max
-    where it lost digits), their exponentials and two row sums; the entropy of every row
-    then at once (tile.entropy_of). excluded: whether a score may be -inf (default: with
-    a mask, or off CPU); on CPU without a mask a -inf score (from an infinite q or k)
-    shows as a NaN entropy, and the read is made again with excluded=True (one host read;
-    a NaN row, NaN either way, costs that second read too)."""
+    pass over each piece (`pieces`): the scores shifted by the LSE in the product (or by
+    the row max where it lost digits), their exponentials and two row sums, added up
+    over a row's blocks of keys; the entropy of every row then at once
+    (tile.entropy_of). excluded: whether a score may be -inf (default: with a mask, or
+    off CPU); on CPU without a mask a -inf score (from an infinite q or k) shows as a
+    NaN entropy, and the read is made again with excluded=True (one host read; a NaN
+    row, NaN either way, costs that second read too)."""
     B, H, n, _ = r.shape
     if empty(*r.shape):
         return torch.zeros(B, H, n, dtype=r.dtype, device=r.device)
@@ -628,23 +685,29 @@ def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
     if excluded is None:
         excluded = not check
     r = r._replace(keys=ALL)
-    budget = stat_budget(r)
-    scores, exps = scratch(r, budget), scratch(r, budget)
-    sums = results(r, 2, B, H, n, 1)  # T, sum e t
-    if r.real is not None or r.live is not None:
-        sums[0].fill_(1.0)  # (a row left out: T = 1, sum 0, as for a row that sees no key)
-    p_sink = None if r.inputs.sinks is None else torch.zeros_like(sums[0])
-    for t in tiles(r, budget):
-        at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
-        shifted, c, sinks = _shifted(r, t, in_tile(scores, r, t))
-        e, sums[0][at] = tile.exponentiate(shifted, c, sinks, keep=True, out=in_tile(exps, r, t))
-        if p_sink is not None:
-            p_sink[at] = tile.sink_weight(sinks, c, sums[0][at])[..., None]
-        sums[1][at] = tile.weighted_scores(e, shifted, excluded)
-    h = tile.entropy_of(sums[0], sums[1], p_sink)[..., 0]
+    scores, exps = _Buffer(r), _Buffer(r)
+    sums = torch.zeros(3, B, H, n, 1, dtype=r.dtype, device=r.device)  # sum e, sum e t, c
+    for t in tiles(r, block_budget(r)):
+        for piece in pieces(r, t):
+            at = (slice(t.at_b, t.at_b + 1), t.at_h, piece.at_r)
+            shifted, sums[2][at], _ = _shifted(r, piece, scores.of(r, piece))
+            e = tile.exp(shifted, out=exps.of(r, piece))
+            sums[0][at] += e.sum(dim=-1, keepdim=True)
+            sums[1][at] += tile.weighted_scores(e, shifted, excluded)
+    total, p_sink = tile.settled(sums[0], sums[2], _all_sinks(r))
+    h = tile.entropy_of(total, sums[1], p_sink)[..., 0]
     if check and bool(torch.isnan(h).any()):  # a -inf score (or a NaN row): with clamps
         return entropy(r, excluded=True)
     return h
+
+
+def _all_sinks(r: Rows) -> torch.Tensor | None:
+    """The sinks of the selection's rows, (B', H', n|1), or None."""
+    sinks = r.inputs.sinks
+    if sinks is None:
+        return None
+    sinks = sinks.detach()[list(r.batch)][:, _heads_slice(r.heads)]
+    return sinks if sinks.shape[-1] == 1 else tile.cut(sinks, 2, r.rows)
 
 
 @_eager

@@ -518,10 +518,20 @@ def normalizer(e: torch.Tensor, c: torch.Tensor, sinks: torch.Tensor | None) -> 
     """Each row's sum of e = exp(s - c) (B, H, n, m), the sink's exp(z - c) included
     (sinks (B, H, n|1)): (B, H, n, 1); 1 where a row sees no key (its weights are then
     0 / 1 = 0)."""
-    total = e.sum(dim=-1, keepdim=True)
-    if sinks is not None:
-        total = total + torch.exp(sinks[..., None] - c)
-    return total.masked_fill_(total == 0, 1.0)
+    return settled(e.sum(dim=-1, keepdim=True), c, sinks)[0]
+
+
+def settled(
+    total: torch.Tensor, c: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the rows' normaliser, the sink's weight or None), each (B, H, n, 1), from the
+    sum of e = exp(s - c) over every key of each row, total (B, H, n, 1) (added up over
+    blocks of keys, say): the sink's exp(z - c) added (sinks (B, H, n|1)), 1 where the
+    sum is 0 (a row that sees no key: its weights are then 0 / 1 = 0)."""
+    z = None if sinks is None else torch.exp(sinks[..., None] - c)
+    total = total if z is None else total + z
+    total = total.masked_fill(total == 0, 1.0)
+    return total, None if z is None else z / total
 
 
 def exponentiate(
@@ -535,8 +545,23 @@ def exponentiate(
     """(e = exp(s - c) of shifted scores (B, H, n, m), in place unless keep (then into
     `out` when given: a buffer of their shape); the rows' normaliser (B, H, n, 1), see
     `normalizer`): p = e / total."""
-    e = (shifted.exp() if out is None else torch.exp(shifted, out=out)) if keep else shifted.exp_()
+    if keep:
+        e = exp(shifted, out=torch.empty_like(shifted) if out is None else out)
+    else:
+        e = exp(shifted)
     return e, normalizer(e, c, sinks)
+
+
+def exp(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """e^t of a tile, in place (into `out`, a buffer of t's shape, when given; t kept):
+    the rows engine's one exponential. On CPU as 2^(t log2 e): torch.exp2 runs about
+    3x faster than torch.exp there (torch 2.13, AVX-512: 0.17 s against 0.45-0.63 s over
+    4 x 16384^2 floats), the product by log2 e a pass at memory speed. It adds an error
+    of eps |t| e^t to each value (the rounding of t log2 e), at most 0.37 eps: below half
+    an ulp of 1. Not differentiable."""
+    if not t.is_cpu:
+        return t.exp_() if out is None else torch.exp(t, out=out)
+    return (t.mul_(LOG2E) if out is None else torch.mul(t, LOG2E, out=out)).exp2_()
 
 
 def log_weights(shifted: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -608,7 +633,7 @@ def rebuild(t: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     in place on the scores t (B, H, n, m) (a selection cannot be normalised by its own
     row sum); lse None: t already holds s - lse. A NaN or +inf LSE gives a NaN row
     (`marked`; with lse None the caller's, as rows.needs_every_key sends such rows whole)."""
-    return (t if lse is None else t.sub_(marked(lse)[..., None])).exp_()
+    return exp(t if lse is None else t.sub_(marked(lse)[..., None]))
 
 
 def kl_of(
