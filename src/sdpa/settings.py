@@ -44,7 +44,8 @@ class Settings:
     1.2-4x faster than 64 MiB ones, and the chunked backend's softcap calls at (1, 8, 2048,
     64) 1.3-2x faster. Single-pass statistics over long rows (a read's forward: sums,
     entropy, top-k, amax, u @ w, max logits) take tiles of 256 rows where that fits in 4x
-    this (rows.stat_budget: at 16384 keys, 64 rows ran 1.1-1.4x slower); and the weights
+    this (rows.stat_budget: at 16384 keys, 64 rows ran 1.1-1.4x slower), the entropy
+    blocks of keys of this size in tiles of up to 2048 rows (rows.pieces); and the weights
     engine folds every head of a batch element into one tile where their complete rows
     fit in 4x this (rows._step: the KL reads and backward of an 8 x 512 distillation
     step made 26,095 aten ops instead of 66,099). Default 4 MiB."""
