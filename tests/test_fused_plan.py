@@ -25,6 +25,7 @@ LENGTHS = [1, 7, blocks.BLOCK_Q - 1, blocks.BLOCK_Q, blocks.BLOCK_Q + 1, 2 * blo
 FORMS = [
     "none", "causal", "bool", "key padding", "float", "bool & causal", "float & causal",
     "causal()", "window", "padding", "documents", "window & padding", "sinks & causal",
+    "padded queries",
 ]  # fmt: skip
 
 
@@ -72,6 +73,7 @@ def _case(form: str, B: int, L: int, S: int, seed: int):
             False,
         ),
         "sinks & causal": (masks.sinks(torch.randn(2, 1, 1, generator=g)), True),
+        "padded queries": (masks.padding([S, S // 2 + 1][:B], queries=True), False),
     }
     mask, causal = table[form]
     if form == "documents" and L != S:
@@ -133,3 +135,51 @@ def test_the_common_plans_allocate_nothing():
         normalize(q, q, q, causal=True)
     )
     assert normalize(q, q, q, causal=True).mask is masks.TOP_LEFT
+
+
+EDGES = [1, blocks.BLOCK_K - 1, blocks.BLOCK_K, blocks.BLOCK_K + 1, 300, 435]
+
+
+@pytest.mark.parametrize("form", ["bool", "padding", "padded queries", "left", "window & padding"])
+@pytest.mark.parametrize("n", EDGES)
+def test_key_padding_runs_on_the_real_keys_alone(form, n):
+    """Key padding cuts each batch element's calls to its real keys, with no mask
+    (blocks.exact), where every row sees every one of them: on block edges and off them,
+    right and left padding, padded queries (whose rows outside the span keep their
+    masked or empty calls). Outputs and gradients equal the reference's."""
+    B, H, L, S, E = 2, 2, 300, 448, 16
+    g = torch.Generator().manual_seed(n)
+    keep = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    lo, hi = (S - n, S) if form == "left" else (0, n)
+    keep[1] = False
+    keep[1, ..., lo:hi] = True
+    mask = {
+        "bool": keep.expand(B, 1, L, S),
+        "left": keep.expand(B, 1, L, S),
+        "padding": masks.padding([S, n]),
+        "padded queries": masks.padding([S, n], queries=True),
+        "window & padding": masks.sliding_window(70, align="top-left") & masks.padding([S, n]),
+    }[form]
+    q = torch.randn(B, H, L, E, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, H, S, E, generator=g, requires_grad=True) for _ in range(2))
+    inputs = normalize(q, k, v, mask)
+    plan = fused.plan(inputs)
+    assert plan.call == "pieces", plan
+    second = [p for p in plan.pieces if range(B)[p.batch] == range(1, 2) and p.k1 > p.k0]
+    if form == "window & padding":  # (a window: not every row sees every key)
+        assert any(p.masked for p in second)
+    else:
+        live = n if form == "padded queries" else L  # (rows past n see no key)
+        cut = [p for p in second if not p.masked]
+        assert [(p.k0, p.k1) for p in cut] == [(lo, hi)] and cut[0].q1 - cut[0].q0 >= min(
+            live, blocks.BLOCK_Q
+        ), plan.pieces
+    out, _ = sdpa.attention(q, k, v, mask, backend="fused")
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = sdpa.attention(*exact, mask, backend="reference").output
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    up = torch.randn(out.shape, generator=g)
+    mine = torch.autograd.grad(out, (q, k, v), up)
+    theirs = torch.autograd.grad(ref, exact, up.double())
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=0)

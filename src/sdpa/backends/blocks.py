@@ -58,12 +58,39 @@ def pieces(inputs: Inputs) -> list[Piece] | None:
     L, S = inputs.query.shape[2], inputs.key.shape[2]
     if inputs.query.is_cpu:
         occ = structure(inputs)
-        return None if occ is None else plan(occ, L, S)
+        return None if occ is None else exact(plan(occ, L, S), inputs)
     mask = inputs.mask
     if torch.compiler.is_compiling() or not isinstance(mask, masks.Mask):
         return None  # (a tensor part goes to the kernel whole: no plan read from it)
     spans = mask.spans(L, S, BLOCK_Q, BLOCK_K)
-    return None if spans is None else plan_spans(spans, L, S)
+    return None if spans is None else exact(plan_spans(spans, L, S), inputs)
+
+
+def exact(pieces: list[Piece], inputs: Inputs) -> list[Piece]:
+    """The pieces cut to their batch element's key span where every row that sees a key
+    sees every key of it (masks.key_spans full): its rows within masks.query_spans run
+    on the real keys alone, with no mask, and its rows outside see none (output 0).
+    Block edges would leave up to BLOCK_K - 1 padded keys in a masked call, and a mask
+    to build per call. Read from the host (the spans' own rule); the pieces as they are
+    where there is none."""
+    B, L, S = inputs.query.shape[0], inputs.query.shape[2], inputs.key.shape[2]
+    spans = masks.key_spans(inputs.mask, B, S)
+    if spans is None or not any(full for _, _, full in spans):
+        return pieces
+    rows = masks.query_spans(inputs.mask, B, L) or ((0, L),) * B
+    out = []
+    for p in pieces:
+        at = range(B)[p.batch]  # the piece's batch elements
+        (lo, hi, full), (r0, r1) = spans[at[0]], rows[at[0]]
+        if p.k1 == p.k0 or not full or any(spans[b] != spans[at[0]] or rows[b] != rows[at[0]]
+                                           for b in at):  # fmt: skip
+            out.append(p)
+            continue
+        a, z = min(max(p.q0, r0), p.q1), max(min(p.q1, r1), p.q0)  # the live rows [a, z)
+        out += [Piece(p.batch, q0, q1, k0, k1, False)
+                for q0, q1, k0, k1 in ((p.q0, a, 0, 0), (a, z, lo, hi), (z, p.q1, 0, 0))
+                if q1 > q0]  # fmt: skip
+    return _merged(out)
 
 
 def plan_spans(spans: masks.Spans, L: int, S: int) -> list[Piece]:

@@ -178,9 +178,15 @@ def _run_pieces(
             kp, vp = k[p.batch, :, p.k0 : p.k1], v[p.batch, :, p.k0 : p.k1]
             out, lse = kernel(qp, kp, vp, mask, False, inputs.scale, sinks)
         groups.setdefault((p.batch.start, p.batch.stop), []).append((out, lse))
-    outs = [torch.cat([o for o, _ in g], dim=2) for g in groups.values()]  # along queries
-    lses = [torch.cat([s for _, s in g], dim=2) for g in groups.values()]
-    return torch.cat(outs, dim=0), torch.cat(lses, dim=0)  # along batch
+    outs = [_joined([o for o, _ in g], 2) for g in groups.values()]  # along queries
+    lses = [_joined([s for _, s in g], 2) for g in groups.values()]
+    return _joined(outs, 0), _joined(lses, 0)  # along batch
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat of parts along dim, a lone part as it is (a copy of it would be one
+    more pass over the output)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _one_masked_call(pieces: list[blocks.Piece], S: int) -> bool:
