@@ -183,3 +183,30 @@ def test_key_padding_runs_on_the_real_keys_alone(form, n):
     theirs = torch.autograd.grad(ref, exact, up.double())
     for a, b in zip(mine, theirs, strict=True):
         torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "(B, L, H, D) memory", "last dim strided"])
+@pytest.mark.parametrize("form", ["none", "padding", "sinks & causal"])
+def test_the_kernels_backward_takes_any_gradient_layout(form, layout):
+    """The CPU kernel's backward is handed the output gradient as it comes (a model's
+    transposed output gives (B, L, H, D) memory); one whose last dim is strided is made
+    unit-strided first (the kernel would misread it). Gradients equal the reference's."""
+    B, H, L, S, E = 2, 2, 300, 300, 16
+    mask, causal, S = _case(form, B, L, S, 7)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, L, E, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, H, S, E, generator=g, requires_grad=True) for _ in range(2))
+    out, _ = sdpa.attention(q, k, v, mask, causal=causal, backend="fused")
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = sdpa.attention(*exact, mask, causal=causal, backend="reference").output
+    up = torch.randn(out.shape, generator=g)
+    shaped = {
+        "contiguous": up,
+        "(B, L, H, D) memory": up.transpose(1, 2).contiguous().transpose(1, 2),
+        "last dim strided": up.mT.contiguous().mT,
+    }[layout]
+    assert shaped.stride(-1) != 1 or layout != "last dim strided"
+    mine = torch.autograd.grad(out, (q, k, v), shaped)
+    theirs = torch.autograd.grad(ref, exact, up.double())
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=0)

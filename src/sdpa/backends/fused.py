@@ -28,7 +28,10 @@ from sdpa.inputs import Inputs, no_work, sink_rows
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel silently misreads a last dim whose stride is not 1."""
+    """The CPU kernel silently misreads a last dim whose stride is not 1. Any other
+    layout it takes as it is: its backward lays an output gradient out as it wants
+    ((B, L, H, D) in memory, what a model's transposed output hands back), so a copy to
+    (B, H, L, D) here would be one more pass, then undone by the kernel's own."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -73,7 +76,7 @@ class _CpuSinks(torch.autograd.Function):
             )
         q, k, v, mask, out, lse = ctx.saved_tensors
         dq, dk, dv = aten.CPU_FLASH_BACKWARD(
-            dout.contiguous(), q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask,
+            _unit_stride(dout), q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask,
             scale=ctx.scale,
         )  # fmt: skip
         return dq, dk, dv, None, None, None, None
@@ -146,7 +149,7 @@ class _CpuPieces(torch.autograd.Function):
             rows = (p.batch, slice(None), slice(p.q0, p.q1))
             kv = (p.batch, slice(None), slice(p.k0, p.k1))
             gq, gk, gv = aten.CPU_FLASH_BACKWARD(
-                dout[rows].contiguous(), q[rows], k[kv], v[kv], out[rows], lse[rows], 0.0,
+                _unit_stride(dout[rows]), q[rows], k[kv], v[kv], out[rows], lse[rows], 0.0,
                 False, attn_mask=_piece_mask(ctx.inputs, p, q.dtype), scale=ctx.inputs.scale,
             )  # fmt: skip
             dq[rows] = gq  # (each query row is in one piece)
