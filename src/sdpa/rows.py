@@ -321,10 +321,7 @@ def operands(r: Rows, t: Tile):
     keys = r.keys if t.keys == ALL else t.keys
     k = tile.cut(i.key[t.b : t.b + 1, kv0:kv1], 2, keys)
     lse = tile.cut(r.lse[t.b : t.b + 1, hs], 2, t.q_rows)
-    sinks = i.sinks
-    if sinks is not None:
-        sinks = sinks[t.b : t.b + 1, hs].detach()
-        sinks = sinks if sinks.shape[-1] == 1 else tile.cut(sinks, 2, t.q_rows)
+    sinks = _sinks_cut(i.sinks, slice(t.b, t.b + 1), hs, t.q_rows)
     if is_open(r, t):  # the mask is all True over the tile's keys
         return q, k, lse, sinks, None
     L, S = i.query.shape[2], i.key.shape[2]
@@ -393,15 +390,30 @@ def needs_every_key(lse: torch.Tensor) -> bool:
     return bool((lse.abs() > settings.get().exact_lse_limit).any())
 
 
-def scratch(r: Rows, budget: int) -> torch.Tensor:
-    """One reusable buffer for the largest tile of `tiles(r, budget)` (fresh pages fault
-    on every allocation); `in_tile` views it per tile."""
-    H, m = r.shape[1], r.shape[3]
-    size = 0
-    for n, w in {(stop - first, _count(keys, m)) for (first, stop), keys in _spans(r)}:
-        whole, step = _step(r, n, w, budget)
-        size = max(size, H * n * w if whole else min(n, step) * w)
-    return torch.empty(size, dtype=r.dtype, device=r.device)
+class Scratch:
+    """One reusable buffer for a read's tiles or pieces (fresh pages fault on every
+    allocation): `of(r, t)` views it as tile t's weights (1, h, rows, keys), grown where
+    t needs more than it holds. `for_tiles` sizes it once for the largest tile of
+    `tiles(r, budget)`."""
+
+    def __init__(self, r: Rows, size: int = 0):
+        self.t = torch.empty(size, dtype=r.dtype, device=r.device)
+
+    @classmethod
+    def for_tiles(cls, r: Rows, budget: int) -> Scratch:
+        H, m = r.shape[1], r.shape[3]
+        size = 0
+        for n, w in {(stop - first, _count(keys, m)) for (first, stop), keys in _spans(r)}:
+            whole, step = _step(r, n, w, budget)
+            size = max(size, H * n * w if whole else min(n, step) * w)
+        return cls(r, size)
+
+    def of(self, r: Rows, t: Tile) -> torch.Tensor:
+        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, width(r, t))
+        size = math.prod(shape)
+        if self.t.numel() < size:
+            self.t = torch.empty(size, dtype=self.t.dtype, device=self.t.device)
+        return self.t[:size].view(shape)
 
 
 # Single-pass statistics over long rows take tiles of at least this many rows, within
@@ -480,12 +492,6 @@ def results(r: Rows, *shape: int, dtype: torch.dtype | None = None) -> torch.Ten
     return new(shape, dtype=r.dtype if dtype is None else dtype, device=r.device)
 
 
-def in_tile(buffer: torch.Tensor, r: Rows, t: Tile) -> torch.Tensor:
-    """A `scratch` buffer viewed as tile t's weights, (1, h, rows, keys)."""
-    shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, width(r, t))
-    return buffer[: math.prod(shape)].view(shape)
-
-
 class Source:
     """The complete rows (every key) of a selection's tiles, one tile at a time, into
     buffers this source keeps (fresh pages fault on every allocation; a tile's results
@@ -501,13 +507,13 @@ class Source:
         # no mask: every row sees a key (known from the type), so nothing to repair and
         # the scores may be overwritten
         self.in_place = self.lean and r.inputs.mask is None
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, Scratch] = {}
 
     def buffer(self, name: str, t: Tile) -> torch.Tensor:
         """The buffer `name`, viewed as tile t's (1, h, rows, S')."""
         if name not in self._buffers:
-            self._buffers[name] = scratch(self.r, self.budget)
-        return in_tile(self._buffers[name], self.r, t)
+            self._buffers[name] = Scratch.for_tiles(self.r, self.budget)
+        return self._buffers[name].of(self.r, t)
 
     def tile(self, t: Tile) -> TileRows:
         return TileRows(self, t)
@@ -631,10 +637,10 @@ def dense(r: Rows) -> torch.Tensor:
     skips = (r.spans is not None and r.complete) or r.real is not None or r.live is not None
     out = (torch.zeros if skips else torch.empty)(r.shape, dtype=r.dtype, device=r.device)
     budget = settings.get().chunk_bytes
-    buffer = scratch(r, budget) if r.complete else None
+    buffer = Scratch.for_tiles(r, budget) if r.complete else None
     for t in tiles(r, budget):
         into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
-        scr = None if buffer is None else in_tile(buffer, r, t)
+        scr = None if buffer is None else buffer.of(r, t)
         if t.keys == ALL and into.is_contiguous():
             weights(r, t, into, scr)
         else:  # (the tile rule writes its out= buffers as contiguous ones; a key span
@@ -656,20 +662,6 @@ def key_sums(r: Rows) -> torch.Tensor:
     return out.to(r.dtype)
 
 
-class _Buffer:
-    """One reusable buffer for the pieces of a read, grown on demand (fresh pages fault
-    on every allocation): `of(r, piece)` views it as the piece's (1, h, rows, keys)."""
-
-    def __init__(self, r: Rows):
-        self.t = torch.empty(0, dtype=r.dtype, device=r.device)
-
-    def of(self, r: Rows, t: Tile) -> torch.Tensor:
-        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, width(r, t))
-        if self.t.numel() < math.prod(shape):
-            self.t = torch.empty(math.prod(shape), dtype=self.t.dtype, device=self.t.device)
-        return self.t[: math.prod(shape)].view(shape)
-
-
 @_eager
 def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
     """-sum_j p_ij ln p_ij per row, (B', H', n), in nats; 0 for rows that see no key. One
@@ -687,7 +679,7 @@ def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
     if excluded is None:
         excluded = not check
     r = r._replace(keys=ALL)
-    scores, exps = _Buffer(r), _Buffer(r)
+    scores, exps = Scratch(r), Scratch(r)
     sums = torch.zeros(3, B, H, n, 1, dtype=r.dtype, device=r.device)  # sum e, sum e t, c
     for t in tiles(r, block_budget(r)):
         for piece in pieces(r, t):
@@ -705,11 +697,16 @@ def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
 
 def _all_sinks(r: Rows) -> torch.Tensor | None:
     """The sinks of the selection's rows, (B', H', n|1), or None."""
-    sinks = r.inputs.sinks
+    return _sinks_cut(r.inputs.sinks, list(r.batch), _heads_slice(r.heads), r.rows)
+
+
+def _sinks_cut(sinks: torch.Tensor | None, batch, heads: slice, rows) -> torch.Tensor | None:
+    """The sinks (B, H, L|1) of some batch elements, heads and query rows, detached (the
+    sinks' own gradient is taken apart), or None."""
     if sinks is None:
         return None
-    sinks = sinks.detach()[list(r.batch)][:, _heads_slice(r.heads)]
-    return sinks if sinks.shape[-1] == 1 else tile.cut(sinks, 2, r.rows)
+    sinks = sinks.detach()[batch][:, heads]
+    return sinks if sinks.shape[-1] == 1 else tile.cut(sinks, 2, rows)
 
 
 @_eager
@@ -730,11 +727,11 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if r.spans is not None and any(hi - lo < k for lo, hi, _ in r.spans):
         r = r._replace(spans=None)  # (k past a span: the padded keys' ties, as torch.topk's)
     budget = stat_budget(r)
-    buffer = scratch(r, budget)
+    buffer = Scratch.for_tiles(r, budget)
     ties = r.inputs.mask is not None  # (a mask's -inf keys tie: torch.topk's choice)
     for t in tiles(r, budget):
         at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
-        shifted, c, sinks = _shifted(r, t, in_tile(buffer, r, t))
+        shifted, c, sinks = _shifted(r, t, buffer.of(r, t))
         top, found = shifted.topk(k, dim=-1) if ties else tile.top_keys(shifted, k)
         indices[at] = found if t.keys == ALL else found.add_(t.keys.start)
         total = tile.exponentiate(shifted, c, sinks)[1]  # (in place: the scores are spent)

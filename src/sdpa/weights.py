@@ -838,11 +838,16 @@ class _Reads(Lazy):
             sinks=None if i.sinks is None else i.sinks.detach(),
         )
         probs = None if self._probs is None else self._probs.detach()
-        twin = handle(inputs, self._lse, probs, self._backend)
-        twin._source, twin._versions = self._source, self._versions  # (stale with this one)
+        twin = self._stale_as_this(handle(inputs, self._lse, probs, self._backend))
         if probs is not None:  # (the twin holds the same weights)
             self._shared = twin._shared = True
         return twin
+
+    def _stale_as_this(self, view: AttentionWeights) -> AttentionWeights:
+        """view (a twin or view of this handle), made to go stale exactly when this one
+        does: the same freshness source and the version counters read with it."""
+        view._source, view._versions = self._source, self._versions
+        return view
 
     def _stale_with(self, part: object) -> AttentionWeights:
         """A twin of this handle (the same recipe, O(1)) that also goes stale where
@@ -898,11 +903,12 @@ class _Reads(Lazy):
             query=to(i.query), key=to(i.key), value=to(i.value),
             mask=masks.join(to(tensor), structured), sinks=to(i.sinks),
         )  # fmt: skip
-        view = new_handle(
-            AttentionWeights, inputs, to(self._lse), to(self._probs), self._backend, self._frozen
-        )
-        view._source, view._versions = self._source, self._versions
-        return view
+        return self._stale_as_this(
+            new_handle(
+                AttentionWeights, inputs, to(self._lse), to(self._probs), self._backend,
+                self._frozen,
+            )
+        )  # fmt: skip
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format):
         """The handle itself (it answers as a contiguous tensor), as torch returns a
@@ -1106,8 +1112,9 @@ class AttentionWeights(_Reads, LazyTensor):
         if taken is None:
             return None
         inputs, lse, probs = taken
-        view = new_handle(AttentionWeights, inputs, lse, probs, self._backend, self._frozen)
-        view._source, view._versions = self._source, self._versions
+        view = self._stale_as_this(
+            new_handle(AttentionWeights, inputs, lse, probs, self._backend, self._frozen)
+        )
         if probs is not None:  # (a view of the kept weights, or a copy: either way held)
             self._shared = view._shared = True
         return view
