@@ -495,3 +495,29 @@ def test_kept_weights_give_each_read_its_own_graph(gen, mask_kind):
     (ddq,) = torch.autograd.grad(dq.square().sum(), q)
     (ddq_ref,) = torch.autograd.grad(dq_ref.square().sum(), ref[0])
     torch.testing.assert_close(ddq.double(), ddq_ref, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("chunk", [None, 4 * 11 * 4 * 3])
+def test_kl_against_a_dense_target_leaves_it_as_it_was(gen, chunk):
+    """w.kl(t) with t a dense tensor (B, H, L, S): the backward reads t's tiles and never
+    writes them (the rule works in place on the tiles it computes, not on a caller's);
+    the gradient into q and k equals the oracle's, and t's own gradient too."""
+    B, H, L, S = 2, 3, 9, 11
+    q, k = randn(gen, B, H, L, 8).requires_grad_(), randn(gen, B, H, S, 8).requires_grad_()
+    target = torch.softmax(randn(gen, B, H, L, S), dim=-1).requires_grad_()
+    kept = target.detach().clone()
+    tuning = {"small_weights": 0, "one_product_weights": 0} | (
+        {} if chunk is None else {"chunk_bytes": chunk}
+    )
+    with settings.override(**tuning):
+        kl = sdpa.attention(q, k, k).weights.kl(target)
+    up = randn(gen, *kl.shape)
+    kl.backward(up)
+    assert torch.equal(target.detach(), kept), "the backward wrote into the dense target"
+    ref = [t.detach().double().requires_grad_() for t in (q, k, target)]
+    p = oracle(ref[0], ref[1], ref[1])[1]
+    want = (ref[2] * (ref[2].log() - p.log())).sum(-1)
+    torch.testing.assert_close(kl.double(), want.detach(), atol=2e-5, rtol=0)
+    want.backward(up.double())
+    for got, r in zip((q, k, target), ref, strict=True):
+        torch.testing.assert_close(got.grad.double(), r.grad, atol=5e-6, rtol=1e-4)

@@ -49,7 +49,8 @@ def _weights(node: ast.AST) -> bool:
 
 
 def softmax_backwards(tree: ast.AST) -> list[int]:
-    """Lines that compute P (G - D): p * (a - b), or x.sub_(p.mul_(d))."""
+    """Lines that compute P (G - D): p * (a - b), x.sub_(p.mul_(d)), or an addcmul of p
+    (x - p d in one pass)."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
@@ -63,6 +64,12 @@ def softmax_backwards(tree: ast.AST) -> list[int]:
             and _name(node.func) == "sub_"
             and node.args
             and _weights(node.args[0])
+        ):
+            found.append(node.lineno)
+        if (
+            isinstance(node, ast.Call)
+            and _name(node.func) in ("addcmul", "addcmul_")
+            and any(_weights(a) for a in node.args)
         ):
             found.append(node.lineno)
     return found

@@ -41,17 +41,32 @@ class Rule(NamedTuple):
 
 
 def softmax_rule(
-    pg_of: Callable[[rows.TileRows, torch.Tensor], torch.Tensor], logp: bool = False
+    pg_of: Callable[[rows.TileRows, torch.Tensor], torch.Tensor],
+    logp: bool = False,
+    factor_of: Callable[[rows.TileRows, torch.Tensor], torch.Tensor] | None = None,
 ) -> Rule:
     """The rule of a read that is a function of P alone, from PG = P * dR/dP on a tile:
-    dS = PG - P D, D = sum_j PG, and the sink's dS = -p_sink D (consumes the tile's p).
-    logp: whether pg_of reads the tile's logp."""
+    dS = PG - P D, D = sum_j PG, and the sink's dS = -p_sink D (consumes the tile's
+    p). factor_of: PG is pg_of's times this (1, h, r, 1) row factor (the upstream
+    gradient of a per-row read), applied once to dS (tile.softmax_grad). logp: whether
+    pg_of reads the tile's logp."""
 
     def rule(t: rows.TileRows, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ds, d = tile.softmax_grad(t.p, pg_of(t, g), inplace=True)  # (1, h, r, S), (1, h, r, 1)
+        factor = None if factor_of is None else factor_of(t, g)
+        ds, d = tile.softmax_grad(t.p, pg_of(t, g), inplace=True, factor=factor)
         return ds, None if t.p_sink is None else -t.p_sink * d[..., 0]
 
     return Rule(rule, logp)
+
+
+def _rows_of(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
+    """g at the tile's rows, (1, h, r, 1): the row factor of a per-row read's PG."""
+    return _place(g, t)[..., None]
+
+
+def _minus_rows(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
+    """-g at the tile's rows, (1, h, r, 1)."""
+    return -_place(g, t)[..., None]
 
 
 class Needs(NamedTuple):
@@ -393,9 +408,9 @@ def entropy_rule() -> Rule:
 
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         plogp = _zero_nan(t.logp.mul_(t.p))  # 0 x -inf -> 0 where P = 0
-        return plogp.add_(t.p).mul_(-_place(g, t)[..., None])
+        return plogp.add_(t.p)  # (times -g: the rule's row factor)
 
-    return softmax_rule(pg, logp=True)
+    return softmax_rule(pg, logp=True, factor_of=_minus_rows)
 
 
 def amax_rule(_value: object = None) -> Rule:
@@ -467,15 +482,13 @@ def kl_rule(other: Callable[[int, bool], rows.Source | rows.DenseSource], weighs
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         if not opened:
             opened.append(other(settings.get().chunk_bytes, False))  # (one read per tile)
-        gt = _place(g, t)[..., None]  # (1, h, r, 1)
         theirs = opened[0].tile(t.where)
-        if weighs:  # (log P - log Q + 1) P, 0 where P = 0 (0 x -inf)
-            terms = _zero_nan(t.logp.sub_(theirs.logp).add_(1.0).mul_(t.p))
-        else:
-            terms = theirs.p.neg() if isinstance(theirs, rows.DenseTile) else theirs.p.neg_()
-        return terms.mul_(gt)
+        if weighs:  # (log P - log Q + 1) P, 0 where P = 0 (0 x -inf); times g
+            return _zero_nan(t.logp.sub_(theirs.logp).add_(1.0).mul_(t.p))
+        # Q, times -g; a dense tile is the caller's tensor: not in place
+        return theirs.p.clone() if isinstance(theirs, rows.DenseTile) else theirs.p
 
-    return softmax_rule(pg, logp=weighs)
+    return softmax_rule(pg, logp=weighs, factor_of=_rows_of if weighs else _minus_rows)
 
 
 def score_errors_rule(mine: rows.Rows, other: rows.Rows) -> Rule:

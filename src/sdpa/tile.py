@@ -347,18 +347,25 @@ def attend(
 
 
 def softmax_grad(
-    p: torch.Tensor, pg: torch.Tensor, d: torch.Tensor | None = None, *, inplace: bool = False
+    p: torch.Tensor,
+    pg: torch.Tensor,
+    d: torch.Tensor | None = None,
+    *,
+    inplace: bool = False,
+    factor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The softmax backward, the one place it is written: dS = PG - P D for weights p
     (..., n, m) and PG = P * G (G the gradient of the weights), D = sum_j PG (..., n, 1)
-    unless given (an attention output's backward gives D = dO . O). Returns (dS, D);
-    inplace: into pg, p scaled by D (both then consumed). A sink in the row (value 0)
-    gets -p_sink D."""
+    unless given (an attention output's backward gives D = dO . O). factor (..., n, 1):
+    PG is pg times this row factor (an upstream gradient), taken out of the sum: dS =
+    factor (pg - P sum_j pg), one pass fewer. Returns (dS, D); inplace: into pg (then
+    consumed). A sink in the row (value 0) gets -p_sink D."""
     if d is None:
         d = pg.sum(dim=-1, keepdim=True)  # (..., n, 1)
-    if inplace:
-        return pg.sub_(p.mul_(d)), d
-    return pg - p * d, d
+    ds = pg.addcmul_(p, d, value=-1.0) if inplace else torch.addcmul(pg, p, d, value=-1.0)
+    if factor is None:
+        return ds, d
+    return ds.mul_(factor), d * factor
 
 
 def chunk_rows(
