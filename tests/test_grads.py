@@ -521,3 +521,29 @@ def test_kl_against_a_dense_target_leaves_it_as_it_was(gen, chunk):
     want.backward(up.double())
     for got, r in zip((q, k, target), ref, strict=True):
         torch.testing.assert_close(got.grad.double(), r.grad, atol=5e-6, rtol=1e-4)
+
+
+def test_a_tile_backward_makes_one_product_per_input_not_one_per_head():
+    """Under key padding a tile's dK lands in a strided slice of dK (its key span):
+    one batched product, then one add, not torch's strided baddbmm_ (one small GEMM per
+    head, each a parallel region, which a busy machine stretches 40x)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B, H, L, E = 2, 12, 300, 16
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, H, L, E, generator=g).requires_grad_() for _ in range(2))
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[1, ..., 200:] = False  # (element 1: keys [0, 200), a strided slice of dK)
+    with settings.override(small_weights=0, one_product_weights=0):
+        w = sdpa.attention(q, k, k, keep.expand(B, 1, L, L)).weights
+        value = w.entropy().sum()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        value.backward()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("aten::addmm_", 0) == 0, counts
+    ref = [t.detach().double().requires_grad_() for t in (q, k)]
+    p = oracle(ref[0], ref[1], ref[1], keep)[1]
+    want = -(p * p.clamp_min(1e-300).log()).sum()  # (0 log 0 = 0, gradient finite)
+    want.backward()
+    for got, r in zip((q, k), ref, strict=True):
+        torch.testing.assert_close(got.grad.double(), r.grad, atol=5e-6, rtol=1e-4)

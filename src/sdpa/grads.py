@@ -121,8 +121,18 @@ def backward(
         if dk is not None:
             qf = q.to(cd).reshape(1, kv, (h // kv) * r, -1)
             kv0 = t.heads.start // group
-            dk[t.b, kv0 : kv0 + kv, t.keys].baddbmm_(folded[0].mT, qf[0])  # (kv, S, E), in place
+            _add_product(dk[t.b, kv0 : kv0 + kv, t.keys], folded[0].mT, qf[0])  # (kv, S, E)
     return dq, dk, dmask, dsinks
+
+
+def _add_product(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """into += a @ b, batched (n, r, c): in place where `into` is contiguous; else one
+    batched product, then one add (a strided `baddbmm_` runs one small GEMM per batch
+    entry, each a parallel region: 12 a tile, 40x slower each on a busy machine)."""
+    if into.is_contiguous():
+        into.baddbmm_(a, b)
+    else:
+        into.add_(torch.bmm(a, b))
 
 
 def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, t: rows.Tile, hs: slice, L: int):
