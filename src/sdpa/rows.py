@@ -392,11 +392,12 @@ def needs_every_key(lse: torch.Tensor) -> bool:
 
 class Scratch:
     """One reusable buffer for a read's tiles or pieces (fresh pages fault on every
-    allocation): `of(r, t)` views it as tile t's weights (1, h, rows, keys), grown where
-    t needs more than it holds. `for_tiles` sizes it once for the largest tile of
-    `tiles(r, budget)`."""
+    allocation) of the selection r: `of(t)` views it as tile t's weights (1, h, rows,
+    keys), grown where t needs more than it holds. `for_tiles` sizes it once for the
+    largest tile of `tiles(r, budget)`."""
 
     def __init__(self, r: Rows, size: int = 0):
+        self.r = r
         self.t = torch.empty(size, dtype=r.dtype, device=r.device)
 
     @classmethod
@@ -408,8 +409,8 @@ class Scratch:
             size = max(size, H * n * w if whole else min(n, step) * w)
         return cls(r, size)
 
-    def of(self, r: Rows, t: Tile) -> torch.Tensor:
-        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, width(r, t))
+    def of(self, t: Tile) -> torch.Tensor:
+        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, width(self.r, t))
         size = math.prod(shape)
         if self.t.numel() < size:
             self.t = torch.empty(size, dtype=self.t.dtype, device=self.t.device)
@@ -513,7 +514,7 @@ class Source:
         """The buffer `name`, viewed as tile t's (1, h, rows, S')."""
         if name not in self._buffers:
             self._buffers[name] = Scratch.for_tiles(self.r, self.budget)
-        return self._buffers[name].of(self.r, t)
+        return self._buffers[name].of(t)
 
     def tile(self, t: Tile) -> TileRows:
         return TileRows(self, t)
@@ -640,7 +641,7 @@ def dense(r: Rows) -> torch.Tensor:
     buffer = Scratch.for_tiles(r, budget) if r.complete else None
     for t in tiles(r, budget):
         into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
-        scr = None if buffer is None else buffer.of(r, t)
+        scr = None if buffer is None else buffer.of(t)
         if t.keys == ALL and into.is_contiguous():
             weights(r, t, into, scr)
         else:  # (the tile rule writes its out= buffers as contiguous ones; a key span
@@ -684,8 +685,8 @@ def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
     for t in tiles(r, block_budget(r)):
         for piece in pieces(r, t):
             at = (slice(t.at_b, t.at_b + 1), t.at_h, piece.at_r)
-            shifted, sums[2][at], _ = _shifted(r, piece, scores.of(r, piece))
-            e = tile.exp(shifted, out=exps.of(r, piece))
+            shifted, sums[2][at], _ = _shifted(r, piece, scores.of(piece))
+            e = tile.exp(shifted, out=exps.of(piece))
             sums[0][at] += e.sum(dim=-1, keepdim=True)
             sums[1][at] += tile.weighted_scores(e, shifted, excluded)
     total, p_sink = tile.settled(sums[0], sums[2], _all_sinks(r))
@@ -731,7 +732,7 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ties = r.inputs.mask is not None  # (a mask's -inf keys tie: torch.topk's choice)
     for t in tiles(r, budget):
         at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
-        shifted, c, sinks = _shifted(r, t, buffer.of(r, t))
+        shifted, c, sinks = _shifted(r, t, buffer.of(t))
         top, found = shifted.topk(k, dim=-1) if ties else tile.top_keys(shifted, k)
         indices[at] = found if t.keys == ALL else found.add_(t.keys.start)
         total = tile.exponentiate(shifted, c, sinks)[1]  # (in place: the scores are spent)
