@@ -33,7 +33,7 @@ from sdpa.inputs import Inputs
 
 class Rule(NamedTuple):
     """How a read sends its upstream gradient into one tile's scores: grad(tile, g) ->
-    (dS (1, h, r, S), dsink (1, h, r) or None), the tile a rows.TileRows of complete
+    (dS (nb, h, r, S), dsink (nb, h, r) or None), the tile a rows.TileRows of complete
     rows (its p, logp, p_sink, where); logp: whether grad reads the tile's logp."""
 
     grad: Callable[[rows.TileRows, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -47,7 +47,7 @@ def softmax_rule(
 ) -> Rule:
     """The rule of a read that is a function of P alone, from PG = P * dR/dP on a tile:
     dS = PG - P D, D = sum_j PG, and the sink's dS = -p_sink D (consumes the tile's
-    p). factor_of: PG is pg_of's times this (1, h, r, 1) row factor (the upstream
+    p). factor_of: PG is pg_of's times this (nb, h, r, 1) row factor (the upstream
     gradient of a per-row read), applied once to dS (tile.softmax_grad). logp: whether
     pg_of reads the tile's logp."""
 
@@ -60,12 +60,12 @@ def softmax_rule(
 
 
 def _rows_of(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
-    """g at the tile's rows, (1, h, r, 1): the row factor of a per-row read's PG."""
+    """g at the tile's rows, (nb, h, r, 1): the row factor of a per-row read's PG."""
     return _place(g, t)[..., None]
 
 
 def _minus_rows(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
-    """-g at the tile's rows, (1, h, r, 1)."""
+    """-g at the tile's rows, (nb, h, r, 1)."""
     return -_place(g, t)[..., None]
 
 
@@ -107,38 +107,41 @@ def backward(
             _add_sink_grad(dsinks, dsink, t, hs)
         if dq is None and dk is None:
             continue
-        draw = tile.raw_grad(ds, raw, scoring)  # d(q . k): (1, h, r, S)
-        h, r = draw.shape[1], draw.shape[2]
+        draw = tile.raw_grad(ds, raw, scoring)  # d(q . k): (nb, h, r, S)
+        nb, h, r = draw.shape[:3]
         kv = k.shape[1]
-        folded = draw.reshape(1, kv, (h // kv) * r, draw.shape[-1])  # query heads into rows
+        folded = draw.reshape(nb, kv, (h // kv) * r, draw.shape[-1])  # query heads into rows
         if dq is not None:
-            part = torch.matmul(folded, k.to(cd)).view(1, h, r, -1)  # (1, h, r, E)
-            rows_of = dq[t.b : t.b + 1, hs]
+            part = torch.matmul(folded, k.to(cd)).view(nb, h, r, -1)  # (nb, h, r, E)
+            rows_of = dq[t.b, hs]
             if isinstance(t.q_rows, slice):
                 rows_of[:, :, t.q_rows] += part
             else:
                 rows_of.index_add_(2, t.q_rows, part)
         if dk is not None:
-            qf = q.to(cd).reshape(1, kv, (h // kv) * r, -1)
+            qf = q.to(cd).reshape(nb, kv, (h // kv) * r, -1)
             kv0 = t.heads.start // group
-            _add_product(dk[t.b, kv0 : kv0 + kv, t.keys], folded[0].mT, qf[0])  # (kv, S, E)
+            _add_product(dk[t.b, kv0 : kv0 + kv, t.keys], folded.mT, qf)  # (nb, kv, S, E)
     return dq, dk, dmask, dsinks
 
 
 def _add_product(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """into += a @ b, batched (n, r, c): in place where `into` is contiguous; else one
+    """into += a @ b, batched (nb, n, r, c): in place where `into` is contiguous; else one
     batched product, then one add (a strided `baddbmm_` runs one small GEMM per batch
     entry, each a parallel region: 12 a tile, 40x slower each on a busy machine)."""
     if into.is_contiguous():
-        into.baddbmm_(a, b)
+        into.view(-1, *into.shape[-2:]).baddbmm_(a.flatten(0, 1), b.flatten(0, 1))
     else:
-        into.add_(torch.bmm(a, b))
+        into.add_(torch.matmul(a, b))
 
 
 def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, t: rows.Tile, hs: slice, L: int):
     """dmask[b, heads, rows] += dS, summed over the mask's broadcast dims."""
     part = ds
-    b = slice(t.b, t.b + 1) if dmask.shape[0] > 1 else slice(0, 1)
+    if dmask.shape[0] > 1:
+        b = t.b
+    else:
+        b, part = slice(0, 1), part.sum(dim=0, keepdim=True)  # (a tile of several elements)
     if dmask.shape[1] == 1:
         part = part.sum(dim=1, keepdim=True)
         heads = slice(0, 1)
@@ -158,8 +161,8 @@ def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, t: rows.Tile, hs: slic
 
 
 def _add_sink_grad(dsinks: torch.Tensor, dsink: torch.Tensor, t: rows.Tile, hs: slice):
-    """dsinks (B, Hq, L|1) [b, heads, rows] += dsink (1, h, r)."""
-    target = dsinks[t.b : t.b + 1, hs]
+    """dsinks (B, Hq, L|1) [b, heads, rows] += dsink (nb, h, r)."""
+    target = dsinks[t.b, hs]
     if dsinks.shape[-1] == 1:
         target.add_(dsink.sum(dim=-1, keepdim=True))
     elif isinstance(t.q_rows, slice):
@@ -377,7 +380,7 @@ def _zero_nan(terms: torch.Tensor) -> torch.Tensor:
 def _place(g: torch.Tensor, t: rows.TileRows) -> torch.Tensor:
     """The tile's slice of an upstream gradient laid out (B', H', n, ...)."""
     w = t.where
-    return g[w.at_b : w.at_b + 1, w.at_h, w.at_r]
+    return g[w.at_b, w.at_h, w.at_r]
 
 
 def _on_keys(pg: torch.Tensor, t: rows.TileRows) -> torch.Tensor:
@@ -390,7 +393,7 @@ def rows_rule(keys: slice | torch.Tensor) -> Rule:
     """Dense rows (full(), indexing): R = P[rows][:, keys]; G = g at those keys."""
 
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
-        gt = _place(g, t)  # (1, h, r, m)
+        gt = _place(g, t)  # (nb, h, r, m)
         if isinstance(keys, slice) and keys == rows.ALL:
             return t.p * _on_keys(gt, t)
         out = t.p.new_zeros(*t.p.shape[:-1], t.S)  # (over every key, then the tile's)
@@ -408,7 +411,7 @@ def key_sums_rule(scale: float = 1.0) -> Rule:
 
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         w = t.where
-        return t.p * (_on_keys(g[w.at_b : w.at_b + 1, w.at_h], t)[:, :, None, :] * scale)
+        return t.p * (_on_keys(g[w.at_b, w.at_h], t)[:, :, None, :] * scale)
 
     return softmax_rule(pg)
 
@@ -455,7 +458,7 @@ def lse_rule() -> Rule:
     """lse: dlse_i/ds_ij = P_ij, dlse_i/dz_i = p_sink_i (not a function of P alone)."""
 
     def rule(t: rows.TileRows, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        gt = _place(g, t)  # (1, h, r)
+        gt = _place(g, t)  # (nb, h, r)
         return t.p * gt[..., None], None if t.p_sink is None else t.p_sink * gt
 
     return Rule(rule)
@@ -467,15 +470,17 @@ def pairs_rule(qi: torch.Tensor, kj: torch.Tensor, S: int) -> Rule:
 
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         w = t.where
-        b = w.b if qi.shape[0] > 1 else 0
         r0, r1 = w.q_rows.start, w.q_rows.stop  # (every-row selections: a slice)
         k0, k1 = (0, S) if w.keys == rows.ALL else (w.keys.start, w.keys.stop)
-        inside = (qi[b] >= r0) & (qi[b] < r1) & (kj[b] >= k0) & (kj[b] < k1)  # (others: 0)
         m = k1 - k0
-        flat = (qi[b][inside] - r0) * m + kj[b][inside] - k0
-        gt = g[w.at_b : w.at_b + 1, w.at_h][..., inside]  # (1, h, P')
-        out = torch.zeros(*t.p.shape[:2], t.p.shape[2] * m, dtype=t.p.dtype, device=t.p.device)
-        out.index_add_(-1, flat, gt.to(t.p.dtype))
+        nb, h = t.p.shape[:2]
+        out = torch.zeros(nb, h, t.p.shape[2] * m, dtype=t.p.dtype, device=t.p.device)
+        for j, b in enumerate(range(w.b.start, w.b.stop, w.b.step or 1)):  # (its elements)
+            e = b if qi.shape[0] > 1 else 0
+            inside = (qi[e] >= r0) & (qi[e] < r1) & (kj[e] >= k0) & (kj[e] < k1)  # (others: 0)
+            flat = (qi[e][inside] - r0) * m + kj[e][inside] - k0
+            gt = g[w.at_b.start + j, w.at_h][..., inside]  # (h, P')
+            out[j].index_add_(-1, flat, gt.to(t.p.dtype))
         return out.view(t.p.shape).mul_(t.p)
 
     return softmax_rule(pg)
@@ -519,8 +524,8 @@ def weighted_rows_rule(u: torch.Tensor) -> Rule:
 
     def pg(t: rows.TileRows, g: torch.Tensor) -> torch.Tensor:
         w = t.where
-        ut = u[w.at_b : w.at_b + 1, w.at_h][..., w.at_r].to(t.p.dtype)  # (1, h, F, r)
-        gt = _on_keys(g[w.at_b : w.at_b + 1, w.at_h], t).to(t.p.dtype)  # (1, h, F, S)
+        ut = u[w.at_b, w.at_h][..., w.at_r].to(t.p.dtype)  # (nb, h, F, r)
+        gt = _on_keys(g[w.at_b, w.at_h], t).to(t.p.dtype)  # (nb, h, F, S)
         return torch.matmul(ut.mT, gt).mul_(t.p)
 
     return softmax_rule(pg)

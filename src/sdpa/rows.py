@@ -5,8 +5,10 @@ log-sum-exp from the kernel that ran the call,
     p_ij = exp(s_ij - lse_i)
 so any row costs one GEMM and one exp, and nothing L x S is kept between calls. `Rows`
 is a selection (batch elements, query heads, query rows, keys) of one call's weights;
-the work is cut into tiles of at most `chunk_bytes` (sdpa.settings) of weights: a whole
-batch element when it fits, else row chunks of one head, so no read allocates L x S.
+the work is cut into tiles of at most `chunk_bytes` (sdpa.settings) of weights: whole
+batch elements when they fit (a run of consecutive elements that read the same rows and
+keys shares one tile: a batch of short rows costs one tile's ops), else row chunks of
+one head, so no read allocates L x S.
 
 Each tile is a driver's call of the tile rule. A `Source` gives the tiles of complete
 rows (every key): scores, the window's mask, then `tile.finish` (torch's row-wise
@@ -200,18 +202,24 @@ def joint(a: Rows, b: Rows) -> tuple[Rows, Rows]:
 
 
 class Tile(NamedTuple):
-    """One piece of work: batch element `b` (at `at_b` in the output), query heads
-    `heads` (at `at_h`), rows `rows` of the selection (positions `q_rows`), of complete
-    rows the keys `keys` (ALL, or the element's key span: every key its rows see; the
-    weights at the others are 0)."""
+    """One piece of work: batch elements `b` (a slice of B: consecutive elements that read
+    the same rows and keys, at `at_b` in the output), query heads `heads` (at `at_h`),
+    rows `rows` of the selection (positions `q_rows`), of complete rows the keys `keys`
+    (ALL, or the elements' key span: every key their rows see; the weights at the others
+    are 0). Its tensors are (nb, h, rows, keys), nb = len(at_b)."""
 
-    at_b: int
-    b: int
+    at_b: slice
+    b: slice
     at_h: slice
     heads: range
     at_r: slice
     q_rows: slice | torch.Tensor
     keys: slice = ALL
+
+    @property
+    def nb(self) -> int:
+        """How many batch elements the tile holds."""
+        return self.at_b.stop - self.at_b.start
 
 
 def width(r: Rows, t: Tile) -> int:
@@ -220,18 +228,20 @@ def width(r: Rows, t: Tile) -> int:
 
 
 def is_open(r: Rows, t: Tile) -> bool:
-    """Whether r's mask is all True over tile t's keys (its span is full: the mask is not
-    applied there, and every row sees a key): where the mask declares padded queries,
-    only for a tile whose rows are all live. Asked of each side of a joint read."""
-    if r.spans is None or not r.complete or not r.spans[t.b][2]:
+    """Whether r's mask is all True over tile t's keys for each of its elements (their
+    span is full: the mask is not applied there, and every row sees a key): where the
+    mask declares padded queries, only for a tile whose rows are all live. Asked of each
+    side of a joint read (the other side's tiles were grouped by the first side's)."""
+    if r.spans is None or not r.complete:
         return False
-    if r.live is None:
-        return True
-    lo, hi = r.live[t.b]
     rows = t.q_rows
-    return (
-        isinstance(rows, slice) and rows.step in (None, 1) and lo <= rows.start and rows.stop <= hi
-    )
+    every = r.live is None or (isinstance(rows, slice) and rows.step in (None, 1))
+    for b in range(t.b.start, t.b.stop, t.b.step or 1):
+        if not r.spans[b][2] or not every:
+            return False
+        if r.live is not None and not (r.live[b][0] <= rows.start and rows.stop <= r.live[b][1]):
+            return False
+    return True
 
 
 def _head_blocks(r: Rows) -> list[tuple[int, range]]:
@@ -252,18 +262,20 @@ def _sub_rows(rows: slice | torch.Tensor, L: int, r0: int, r1: int) -> slice | t
     return slice(start + r0 * step, start + r1 * step, step)
 
 
-def _step(r: Rows, n: int, m: int, budget: int) -> tuple[bool, int]:
-    """(whole, rows per tile) of tiles over n rows and m keys: a whole batch element (all
-    selected heads and rows) when it fits in `budget` bytes or, for complete rows (the
-    KL reads, statistics and backward a training step makes), in FOLD x `budget`, the
-    budget taken at most the settings' chunk_bytes (a statistic's stretched budget
-    folds no more): one tile's ops for every head (a dozen ops per tile whatever its
-    size, each a parallel region that waits for every thread, which a busy machine
-    stretches); else row chunks of one head within `budget`."""
+def _step(r: Rows, n: int, m: int, budget: int) -> tuple[int, int]:
+    """(elements, rows) per tile over n rows and m keys of each batch element: whole
+    batch elements (all selected heads and rows), as many as fit in `budget` bytes or,
+    for complete rows (the KL reads, statistics and backward a training step makes), in
+    FOLD x `budget`, the budget taken at most the settings' chunk_bytes (a statistic's
+    stretched budget folds no more): one tile's ops for every head and element (a dozen
+    ops per tile whatever its size, each a parallel region that waits for every thread,
+    which a busy machine stretches); else (0 elements) row chunks of one head within
+    `budget`."""
     H = r.shape[1]
     fold = max(budget, FOLD * min(budget, settings.get().chunk_bytes)) if r.complete else budget
     whole = tile.chunk_rows(H, m, r.dtype, budget=fold) >= n
-    return whole, n if whole else tile.chunk_rows(1, m, r.dtype, budget=budget)
+    elements = tile.chunk_rows(H * n, m, r.dtype, budget=fold) if whole else 0
+    return elements, n if elements else tile.chunk_rows(1, m, r.dtype, budget=budget)
 
 
 def _spans(r: Rows) -> list[tuple[tuple[int, int], slice]]:
@@ -282,27 +294,49 @@ def _spans(r: Rows) -> list[tuple[tuple[int, int], slice]]:
     ]
 
 
+def _alike(r: Rows, a: int, b: int) -> bool:
+    """Whether batch elements a and b (of B) read alike on a tile of both: the same key
+    span and declared live rows (is_open, the mask's window)."""
+    return (r.spans is None or r.spans[a] == r.spans[b]) and (
+        r.live is None or r.live[a] == r.live[b]
+    )
+
+
 def tiles(r: Rows, budget: int) -> Iterator[Tile]:
-    """Tiles of at most `budget` bytes of weights: a whole batch element (all selected
-    heads and rows) when it fits, else row chunks of one head at a time; over each
-    element's key span (`Rows.spans`) where the selection holds complete rows."""
+    """Tiles of at most `budget` bytes of weights (`_step`): consecutive batch elements
+    that read the same rows and keys, whole (all selected heads and rows), as many as
+    fit; else row chunks of one head of one element; over each element's key span
+    (`Rows.spans`) where the selection holds complete rows."""
     m = r.shape[3]
     L = r.inputs.query.shape[2]
     per_head = [(j, range(h, h + 1)) for j, h in enumerate(r.heads)]
     folded = None
-    for at_b, (b, ((first, stop), keys)) in enumerate(zip(r.batch, _spans(r), strict=True)):
-        if stop <= first:
-            continue  # (no live row: nothing to compute)
-        whole, step = _step(r, stop - first, _count(keys, m), budget)
-        if whole and folded is None:
-            folded = _head_blocks(r)
-        for j, heads in folded if whole else per_head:
+    batch, spans = r.batch, _spans(r)
+    at = 0
+    while at < len(batch):
+        (first, stop), keys = spans[at]
+        nb = 1
+        if stop <= first:  # (no live row: nothing to compute)
+            at += 1
+            continue
+        elements, step = _step(r, stop - first, _count(keys, m), budget)
+        if elements:
+            folded = _head_blocks(r) if folded is None else folded
+            while (
+                nb < elements and at + nb < len(batch) and batch.step > 0
+                and spans[at + nb] == spans[at] and _alike(r, batch[at], batch[at + nb])
+            ):  # fmt: skip
+                nb += 1
+        b0 = batch[at]
+        at_b, b = slice(at, at + nb), slice(b0, b0 + nb * batch.step, batch.step)
+        for j, heads in folded if elements else per_head:
             for r0 in range(first, stop, step):
                 r1 = min(stop, r0 + step)
                 yield Tile(
                     at_b, b, slice(j, j + len(heads)), heads, slice(r0, r1),
                     _sub_rows(r.rows, L, r0, r1), keys,
                 )  # fmt: skip
+        at += nb
 
 
 def _heads_slice(heads: range) -> slice:
@@ -310,36 +344,37 @@ def _heads_slice(heads: range) -> slice:
 
 
 def operands(r: Rows, t: Tile):
-    """(q (1, h, rows, E), k (1, hkv, keys, E), lse (1, h, rows), sinks (1, h, rows|1) or
-    None, window (1|.., h|1, rows, keys) or None) of one tile."""
+    """(q (nb, h, rows, E), k (nb, hkv, keys, E), lse (nb, h, rows), sinks (nb, h,
+    rows|1) or None, window (nb|1, h|1, rows, keys) or None) of one tile."""
     i = r.inputs
     g = i.group
     hs = _heads_slice(t.heads)
-    q = tile.cut(i.query[t.b : t.b + 1, hs], 2, t.q_rows)
+    q = tile.cut(i.query[t.b, hs], 2, t.q_rows)
     kv0 = t.heads.start // g
     kv1 = kv0 + 1 if len(t.heads) == 1 else t.heads.stop // g
     keys = r.keys if t.keys == ALL else t.keys
-    k = tile.cut(i.key[t.b : t.b + 1, kv0:kv1], 2, keys)
-    lse = tile.cut(r.lse[t.b : t.b + 1, hs], 2, t.q_rows)
-    sinks = _sinks_cut(i.sinks, slice(t.b, t.b + 1), hs, t.q_rows)
+    k = tile.cut(i.key[t.b, kv0:kv1], 2, keys)
+    lse = tile.cut(r.lse[t.b, hs], 2, t.q_rows)
+    sinks = _sinks_cut(i.sinks, t.b, hs, t.q_rows)
     if is_open(r, t):  # the mask is all True over the tile's keys
         return q, k, lse, sinks, None
     L, S = i.query.shape[2], i.key.shape[2]
     tensor, structured = masks.split(i.mask)
     if tensor is not None:
-        tensor = tensor[t.b : t.b + 1] if tensor.shape[0] > 1 else tensor
+        tensor = tensor[t.b] if tensor.shape[0] > 1 else tensor
         tensor = tensor[:, hs] if tensor.shape[1] > 1 else tensor
-    window = tile.window(masks.join(tensor, structured), L, S, t.q_rows, keys, q.device)
-    if structured is not None and window.shape[0] > 1:  # a structured mask's batch
-        window = window[t.b : t.b + 1]
+    window = tile.window(tensor, L, S, t.q_rows, keys, q.device)
+    if structured is not None:
+        keep = tile.window(structured, L, S, t.q_rows, keys, q.device)  # (Bm, 1, rows, keys)
+        window = masks.combine(window, keep[t.b] if keep.shape[0] > 1 else keep)
     return q, k, lse, sinks, window
 
 
 def _shifted(
     r: Rows, t: Tile, out: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(shifted scores s - c of a tile (1, h, rows, keys) written into `out` when given,
-    the shift c (1, h, rows, 1), the tile's sinks or None). c is the LSE, or the row max
+    """(shifted scores s - c of a tile (nb, h, rows, keys) written into `out` when given,
+    the shift c (nb, h, rows, 1), the tile's sinks or None). c is the LSE, or the row max
     for complete rows whose LSE has lost digits (_inexact)."""
     q, k, lse, sinks, window = operands(r, t)
     scoring = tile.Scoring.of(r.inputs)
@@ -353,7 +388,7 @@ def _shifted(
 def weights(
     r: Rows, t: Tile, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """p of a tile, (1, h, rows, keys), written into `out` when given: rows normalised by
+    """p of a tile, (nb, h, rows, keys), written into `out` when given: rows normalised by
     their own sum where the selection holds every key (on CPU without sinks: torch's
     softmax of the scores, computed into `scratch`, a buffer of the tile's shape), else
     exp(s - lse)."""
@@ -392,7 +427,7 @@ def needs_every_key(lse: torch.Tensor) -> bool:
 
 class Scratch:
     """One reusable buffer for a read's tiles or pieces (fresh pages fault on every
-    allocation) of the selection r: `of(t)` views it as tile t's weights (1, h, rows,
+    allocation) of the selection r: `of(t)` views it as tile t's weights (nb, h, rows,
     keys), grown where t needs more than it holds. `for_tiles` sizes it once for the
     largest tile of `tiles(r, budget)`."""
 
@@ -402,19 +437,19 @@ class Scratch:
 
     @classmethod
     def for_tiles(cls, r: Rows, budget: int) -> Scratch:
-        H, m = r.shape[1], r.shape[3]
-        size = 0
-        for n, w in {(stop - first, _count(keys, m)) for (first, stop), keys in _spans(r)}:
-            whole, step = _step(r, n, w, budget)
-            size = max(size, H * n * w if whole else min(n, step) * w)
-        return cls(r, size)
+        return cls(r, max((_size(r, t) for t in tiles(r, budget)), default=0))
 
     def of(self, t: Tile) -> torch.Tensor:
-        shape = (1, len(t.heads), t.at_r.stop - t.at_r.start, width(self.r, t))
+        shape = (t.nb, len(t.heads), t.at_r.stop - t.at_r.start, width(self.r, t))
         size = math.prod(shape)
         if self.t.numel() < size:
             self.t = torch.empty(size, dtype=self.t.dtype, device=self.t.device)
         return self.t[:size].view(shape)
+
+
+def _size(r: Rows, t: Tile) -> int:
+    """Entries of tile t's weights."""
+    return t.nb * len(t.heads) * (t.at_r.stop - t.at_r.start) * width(r, t)
 
 
 # Single-pass statistics over long rows take tiles of at least this many rows, within
@@ -469,11 +504,11 @@ def pieces(r: Rows, t: Tile) -> list[Tile]:
     (on CPU, every |lse| within exact_lse_limit), blocks of its keys of at most
     chunk_bytes of weights, in key order, shifted by the LSE; else chunks of its rows
     within stat_budget, every key, shifted by their max (_shifted)."""
-    h, n, m = len(t.heads), t.at_r.stop - t.at_r.start, width(r, t)
+    h, n, m = t.nb * len(t.heads), t.at_r.stop - t.at_r.start, width(r, t)
     per = tile.chunk_rows(h, n, r.dtype)  # keys of h x n rows (rows of h x n keys)
     if per >= m:  # (then the tile is within chunk_bytes)
         return [t]
-    lse = tile.cut(r.lse[t.b : t.b + 1, _heads_slice(t.heads)], 2, t.q_rows)
+    lse = tile.cut(r.lse[t.b, _heads_slice(t.heads)], 2, t.q_rows)
     if _inexact(lse):
         step = max(1, tile.chunk_rows(h, m, r.dtype, budget=stat_budget(r)))
         L = r.inputs.query.shape[2]
@@ -511,7 +546,7 @@ class Source:
         self._buffers: dict[str, Scratch] = {}
 
     def buffer(self, name: str, t: Tile) -> torch.Tensor:
-        """The buffer `name`, viewed as tile t's (1, h, rows, S')."""
+        """The buffer `name`, viewed as tile t's (nb, h, rows, S')."""
         if name not in self._buffers:
             self._buffers[name] = Scratch.for_tiles(self.r, self.budget)
         return self._buffers[name].of(t)
@@ -521,12 +556,12 @@ class Source:
 
 
 class TileRows:
-    """One tile of a Source: `where` (the Tile), q (1, h, rows, E) and k (1, hkv, S', E)
+    """One tile of a Source: `where` (the Tile), q (nb, h, rows, E) and k (nb, hkv, S', E)
     (S' keys: the tile's, where.keys),
-    `raw` the scores before the mask (softcap applied; (1, h, rows, S')), the weights
-    `p` and log-weights `logp` (1, h, rows, S'), each computed when first read (rows
+    `raw` the scores before the mask (softcap applied; (nb, h, rows, S')), the weights
+    `p` and log-weights `logp` (nb, h, rows, S'), each computed when first read (rows
     normalised by their own sum, -inf log where a key is excluded), and the sink's share
-    `p_sink` (1, h, rows) or None. A reader may consume p or logp in place once it no
+    `p_sink` (nb, h, rows) or None. A reader may consume p or logp in place once it no
     longer needs them. A NaN row is NaN at every key (whole_rows)."""
 
     whole_rows = True
@@ -604,7 +639,7 @@ class DenseSource:
 
     def tile(self, t: Tile) -> DenseTile:
         hs = _heads_slice(t.heads)
-        target = tile.cut(self.target[t.b : t.b + 1, hs], 2, t.q_rows)
+        target = tile.cut(self.target[t.b, hs], 2, t.q_rows)
         return DenseTile(t, target if t.keys == ALL else target[..., t.keys])
 
 
@@ -640,7 +675,7 @@ def dense(r: Rows) -> torch.Tensor:
     budget = settings.get().chunk_bytes
     buffer = Scratch.for_tiles(r, budget) if r.complete else None
     for t in tiles(r, budget):
-        into = out[t.at_b : t.at_b + 1, t.at_h, t.at_r]
+        into = out[t.at_b, t.at_h, t.at_r]
         scr = None if buffer is None else buffer.of(t)
         if t.keys == ALL and into.is_contiguous():
             weights(r, t, into, scr)
@@ -659,7 +694,7 @@ def key_sums(r: Rows) -> torch.Tensor:
     out = torch.zeros(B, H, m, dtype=wide, device=r.device)
     for tr in each(r, budget=stat_budget(r)):
         t = tr.where
-        out[t.at_b : t.at_b + 1, t.at_h, t.keys] += tr.p.sum(dim=-2)
+        out[t.at_b, t.at_h, t.keys] += tr.p.sum(dim=-2)
     return out.to(r.dtype)
 
 
@@ -684,7 +719,7 @@ def entropy(r: Rows, excluded: bool | None = None) -> torch.Tensor:
     sums = torch.zeros(3, B, H, n, 1, dtype=r.dtype, device=r.device)  # sum e, sum e t, c
     for t in tiles(r, block_budget(r)):
         for piece in pieces(r, t):
-            at = (slice(t.at_b, t.at_b + 1), t.at_h, piece.at_r)
+            at = (t.at_b, t.at_h, piece.at_r)
             shifted, sums[2][at], _ = _shifted(r, piece, scores.of(piece))
             e = tile.exp(shifted, out=exps.of(piece))
             sums[0][at] += e.sum(dim=-1, keepdim=True)
@@ -731,7 +766,7 @@ def topk(r: Rows, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     buffer = Scratch.for_tiles(r, budget)
     ties = r.inputs.mask is not None  # (a mask's -inf keys tie: torch.topk's choice)
     for t in tiles(r, budget):
-        at = (slice(t.at_b, t.at_b + 1), t.at_h, t.at_r)
+        at = (t.at_b, t.at_h, t.at_r)
         shifted, c, sinks = _shifted(r, t, buffer.of(t))
         top, found = shifted.topk(k, dim=-1) if ties else tile.top_keys(shifted, k)
         indices[at] = found if t.keys == ALL else found.add_(t.keys.start)
@@ -747,7 +782,7 @@ def amax(r: Rows) -> torch.Tensor:
     out = results(r, B, H, n)
     for tr in each(r, budget=stat_budget(r)):
         t = tr.where
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = tr.p.amax(dim=-1)
+        out[t.at_b, t.at_h, t.at_r] = tr.p.amax(dim=-1)
     return out
 
 
@@ -765,7 +800,7 @@ def kl(r: Rows, other: Callable[[int, bool], Source | DenseSource], reverse: boo
         first, second = (a, b) if reverse else (b, a)
         whole = first.whole_rows and second.whole_rows
         value = tile.kl_of(first.logp, second.logp, first.p, whole_rows=whole)
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = value
+        out[t.at_b, t.at_h, t.at_r] = value
     return out
 
 
@@ -777,8 +812,8 @@ def weighted_rows(r: Rows, u: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(B, H, F, m, dtype=r.dtype, device=r.device)
     for tr in each(r, budget=stat_budget(r)):
         t = tr.where
-        ut = u[t.at_b : t.at_b + 1, t.at_h][..., t.at_r].to(r.dtype)  # (1, h, F, rows)
-        out[t.at_b : t.at_b + 1, t.at_h, :, t.keys] += torch.matmul(ut, tr.p)  # p (1, h, rows, S')
+        ut = u[t.at_b, t.at_h][..., t.at_r].to(r.dtype)  # (nb, h, F, rows)
+        out[t.at_b, t.at_h, :, t.keys] += torch.matmul(ut, tr.p)  # p (nb, h, rows, S')
     return out
 
 
@@ -789,8 +824,8 @@ def weighted_rows_grad(r: Rows, g: torch.Tensor) -> torch.Tensor:
     out = results(r, B, H, g.shape[2], n)
     for tr in each(r):
         t = tr.where
-        gt = g[t.at_b : t.at_b + 1, t.at_h, :, t.keys].to(r.dtype)  # (1, h, F, S)
-        out[t.at_b : t.at_b + 1, t.at_h, :, t.at_r] = torch.matmul(gt, tr.p.mT)
+        gt = g[t.at_b, t.at_h, :, t.keys].to(r.dtype)  # (nb, h, F, S)
+        out[t.at_b, t.at_h, :, t.at_r] = torch.matmul(gt, tr.p.mT)
     return out
 
 
@@ -802,12 +837,12 @@ def max_logits(r: Rows) -> torch.Tensor:
     out = results(r, B, H, n)
     raw = tile.Scoring(r.inputs.scale)  # before the softcap
     for t in tiles(r, stat_budget(r)):
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = masked_scores(r, t, raw).amax(dim=-1)
+        out[t.at_b, t.at_h, t.at_r] = masked_scores(r, t, raw).amax(dim=-1)
     return out
 
 
 def masked_scores(r: Rows, t: Tile, scoring: tile.Scoring | None = None) -> torch.Tensor:
-    """Tile t's scores after the mask, (1, h, rows, keys): the tile rule's scores (the
+    """Tile t's scores after the mask, (nb, h, rows, keys): the tile rule's scores (the
     call's scale and softcap unless `scoring` says otherwise), -inf where the mask
     excludes a key, a float mask added. A fresh tensor."""
     q, k, _, _, window = operands(r, t)
@@ -818,7 +853,7 @@ def masked_scores(r: Rows, t: Tile, scoring: tile.Scoring | None = None) -> torc
 def visible_scores(r: Rows, t: Tile) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores, excluded) of tile t: its masked scores with 0 where the mask excludes a
     key (the pre-softmax scores as distillation compares them: TinyBERT's), and where
-    that is (bool, (1, h, rows, keys))."""
+    that is (bool, (nb, h, rows, keys))."""
     s = masked_scores(r, t)
     excluded = s == -torch.inf
     return s.masked_fill_(excluded, 0.0), excluded
@@ -834,7 +869,7 @@ def score_errors(r: Rows, other: Rows) -> torch.Tensor:
         return out
     for t in tiles(r, settings.get().chunk_bytes):
         d = visible_scores(r, t)[0].sub_(visible_scores(other, t)[0].to(r.dtype))
-        out[t.at_b : t.at_b + 1, t.at_h, t.at_r] = d.square_().sum(dim=-1)
+        out[t.at_b, t.at_h, t.at_r] = d.square_().sum(dim=-1)
     return out
 
 

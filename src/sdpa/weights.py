@@ -1742,10 +1742,10 @@ def _target_grad(mine: rows.Rows, target: torch.Tensor, original: torch.Tensor, 
         for t in rows.tiles(mine, budget):
             logp = source.tile(t).logp
             q = dense.tile(t).p
-            gt = g[t.at_b : t.at_b + 1, t.at_h, t.at_r][..., None]
+            gt = g[t.at_b, t.at_h, t.at_r][..., None]
             part = -gt * logp.exp() / q if reverse else gt * (torch.log(q) + 1.0 - logp)
             hs = slice(t.heads.start, t.heads.stop, t.heads.step)
-            tile.cut(out[t.b : t.b + 1, hs], 2, t.q_rows).copy_(part)
+            tile.cut(out[t.b, hs], 2, t.q_rows).copy_(part)
         full = out.reshape(mine.inputs.shape)  # (*lead, L, S)
         return full.sum_to_size(original.shape).to(original.dtype)
 
