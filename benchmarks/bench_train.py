@@ -15,12 +15,14 @@ process. Cases, at L = 1024, 4096, 16384, float32 and bfloat16:
 2. entropy: loss = <out, g> + mean entropy(w), against the listing, and against the
    plain fused step: torch's F.scaled_dot_product_attention forward and backward of
    <out, g> (what the regulariser adds to a training step).
-3. bert: a distillation step of a tiny BERT (2 layers, 8 heads of 16) from a teacher
+3. kl batch: the kl step over many short sequences, (96, 8, 64, 64) fp32, against the
+   listing (a batch of short rows: the engine's tiles hold runs of whole sequences).
+4. bert: a distillation step of a tiny BERT (2 layers, 8 heads of 16) from a teacher
    BERT (4 layers, 8 heads of 32), batch 8 x 256: the KL of the last layers' attention
    from capture handles (ours) against eager's output_attentions=True, SGD step included.
-4. max logits (1, 8, 4096, 64) fp32: w.max_logits() (no grad, as QK-clip reads it)
+5. max logits (1, 8, 4096, 64) fp32: w.max_logits() (no grad, as QK-clip reads it)
    against the plain fused forward and against a chunked (q k^T * scale).amax recompute.
-5. frozen: the backward of <out, g> under sdpa.frozen() (the pattern held constant:
+6. frozen: the backward of <out, g> under sdpa.frozen() (the pattern held constant:
    gradients to v only) against the plain backward, (1, 8, 4096, 64) fp32.
 
 The acceptance figures of issue 26 are printed at the end and written to the JSON's
@@ -65,6 +67,9 @@ LENGTHS = tuple(
 HEADS, WIDTH = 8, 64
 SHORT = 512 if QUICK else 4096  # max logits and frozen
 BERT_BATCH, BERT_LENGTH = (2, 64) if QUICK else (8, 256)
+# many short sequences: past the small backend (B x H x L x S > 2**21), the weights
+# engine's tiles hold runs of whole sequences (rows.RUN)
+SHORT_BATCH, SHORT_LENGTH = (24, 64) if QUICK else (96, 64)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = 1e-30
 # The listing's dense (1, H, L, S) tensors alive at its peak, in float32 units, as
@@ -93,10 +98,10 @@ def fits(read: str, L: int) -> bool:
 # -- one attention layer's training step -----------------------------------------------
 
 
-def layer_inputs(L: int, dtype: torch.dtype):
+def layer_inputs(L: int, dtype: torch.dtype, batch: int = 1):
     """Student q, k, v (requiring grad), the teacher's q, k, v, the output's upstream g."""
     g = torch.Generator().manual_seed(0)
-    shape = (1, HEADS, L, WIDTH)
+    shape = (batch, HEADS, L, WIDTH)
     student = [torch.randn(*shape, generator=g).to(dtype).requires_grad_() for _ in "qkv"]
     teacher = [torch.randn(*shape, generator=g).to(dtype) for _ in "qkv"]
     return student, teacher, torch.randn(*shape, generator=g)
@@ -112,12 +117,12 @@ def dense_read(read: str, p: torch.Tensor, p_teacher: torch.Tensor | None) -> to
     return (t * (t.clamp_min(TINY).log() - logp)).sum(-1)
 
 
-def step_side(impl: str, read: str, L: int, dtype: torch.dtype):
+def step_side(impl: str, read: str, L: int, dtype: torch.dtype, batch: int = 1):
     """A training step: ours (sdpa.attention + a lazy read), the listing (p_attn dense),
-    or the plain fused step (F.sdpa, no read)."""
+    or the plain fused step (F.sdpa, no read), over `batch` sequences."""
 
     def setup():
-        (q, k, v), (qt, kt, vt), g = layer_inputs(L, dtype)
+        (q, k, v), (qt, kt, vt), g = layer_inputs(L, dtype, batch)
 
         def ours():
             for t in (q, k, v):
@@ -308,7 +313,13 @@ def frozen_side(frozen: bool):
 def comparisons() -> list[Comparison]:
     out, _ = layer_cases()
     short = f"(1, {HEADS}, {SHORT}, {WIDTH})"
+    batch = f"({SHORT_BATCH}, {HEADS}, {SHORT_LENGTH}, {WIDTH})"
     out += [
+        Comparison(
+            f"kl batch {SHORT_BATCH} x {SHORT_LENGTH}", f"kl step {batch}", "float32",
+            step_side("ours", "kl", SHORT_LENGTH, torch.float32, SHORT_BATCH),
+            step_side("listing", "kl", SHORT_LENGTH, torch.float32, SHORT_BATCH), grad=True,
+        ),
         Comparison(
             "bert distill", f"BERT 2 layers <- 4 layers, batch {BERT_BATCH} x {BERT_LENGTH}",
             "float32", bert_side("ours"), bert_side("eager"), grad=True,

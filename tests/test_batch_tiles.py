@@ -1,9 +1,10 @@
 """Tiles that span batch elements (sdpa.rows.tiles): consecutive elements that read the
-same rows and keys share one tile, as many as fit, so a batch of short rows costs one
-tile's ops, not one per element. Every read and gradient (q, k, a float mask broadcast
-over the batch, sinks) equals the same read with one tile per element (the grouping
-turned off), over runs of alike and unalike elements, padded or not, causal, GQA, and
-budgets that cut a run short. A property test (hypothesis), not examples."""
+same rows and keys share one tile, as many as fit in 1 / rows.RUN of the budget, so a
+batch of short rows costs a few tiles' ops, not a dozen per element. Every read and
+gradient (q, k, a float mask broadcast over the batch, sinks) equals the same read with
+one tile per element (the grouping turned off), over runs of alike and unalike
+elements, padded or not, causal, GQA, and budgets that cut a run short. A property test
+(hypothesis), not examples."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def _run(case, grouped: bool):
     if not grouped:
         rows._alike = lambda r, a, b: False
     try:
-        with sdpa_settings.override(chunk_bytes=-(-per_tile * element // rows.FOLD)):
+        with sdpa_settings.override(chunk_bytes=per_tile * element * rows.RUN):
             w = sdpa.attention(q, k, v, mask).weights
             t = sdpa.attention(qt, k.detach(), v, mask_t).weights
             tiles = list(rows.tiles(w._every_row(), sdpa_settings.get().chunk_bytes))
@@ -146,7 +147,7 @@ def test_runs_of_alike_elements_share_tiles_within_the_budget(per_tile, want):
     before = rows.SPAN_MIN_SCORES
     rows.SPAN_MIN_SCORES = 0
     try:
-        with sdpa_settings.override(chunk_bytes=-(-per_tile * element // rows.FOLD)):
+        with sdpa_settings.override(chunk_bytes=per_tile * element * rows.RUN):
             w = sdpa.attention(q, k, v, mask).weights
             tiles = list(rows.tiles(w._every_row(), sdpa_settings.get().chunk_bytes))
     finally:
