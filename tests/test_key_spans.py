@@ -362,3 +362,29 @@ def test_the_small_backend_zeroes_declared_queries_with_their_gradients(mask_of)
     torch.testing.assert_close(p.double(), r_p, atol=2e-6, rtol=0)
     for a, b, name in zip(got, want, "qkv", strict=True):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0, msg=name)
+
+
+def test_a_masks_spans_are_read_once_for_the_plan_and_every_read(monkeypatch):
+    """A bool (B, 1, 1, S) mask's spans take one host read per mask and version: the
+    fused plan (backends.blocks.exact) and each read of the weights ask again and get
+    the same; a write into the mask, or another mask of the same values, reads again;
+    an inference tensor (no version counter) is read each time, never kept."""
+    reads = []
+    real = masks._read_key_spans
+    monkeypatch.setattr(masks, "_read_key_spans", lambda *a: reads.append(1) or real(*a))
+    B, S = 2, 300
+    keep = torch.arange(S) < torch.tensor([S, 200])[:, None]
+    mask = keep[:, None, None, :]
+    q, k, v = torch.randn(B, 2, S, 8), torch.randn(B, 2, S, 8), torch.randn(B, 2, S, 8)
+    w = sdpa.attention(q, k, v, mask).weights
+    w.entropy(), w.sum(dim=-2), w.kl(w)
+    assert len(reads) == 1
+    held = w._inputs.mask  # (the call's view of the mask)
+    assert masks.key_spans(held, B, S) == ((0, S, True), (0, 200, True)) and len(reads) == 1
+    keep[1, 200:250] = True  # (in place: the version moves)
+    assert masks.key_spans(held, B, S) == ((0, S, True), (0, 250, True)) and len(reads) == 2
+    other = mask.clone()  # (B, 1, 1, S), as the call had it
+    assert masks.key_spans(other, B, S) == masks.key_spans(held, B, S) and len(reads) == 3
+    with torch.inference_mode():
+        frozen = mask.clone()  # (no version counter)
+    assert masks.key_spans(frozen, B, S) == masks.key_spans(frozen, B, S) and len(reads) == 5

@@ -14,6 +14,8 @@ at key position i + S - L (FlashAttention >= 2.1, xFormers, KV-cache decoding);
 from __future__ import annotations
 
 import operator
+import threading
+import weakref
 
 import torch
 
@@ -797,18 +799,54 @@ def _and_key_spans(
     return out
 
 
+# The key spans of the last few tensor masks read: id -> (a weak reference to the mask,
+# its version, the spans). A call's plan (backends.blocks.exact) and each read of its
+# weights (rows.Rows) ask for the same mask's spans: one host read serves them all,
+# until the mask is written in place (its version moves) or freed (its entry then goes
+# at the next read of another mask).
+_SPANS_KEPT = 4
+_spans_read: dict[int, tuple[weakref.ref, int, list[KeySpan]]] = {}
+_spans_lock = threading.Lock()
+
+
 def _tensor_key_spans(t: torch.Tensor, S: int) -> list[KeySpan] | None:
     """The key spans of a bool tensor mask (B|1, H|1, L|1, S) that is the same for every
     head and query (size 1 or stride 0 there), read on the host from its (B|1, S)
-    distinct entries; None for any other tensor (never scanned)."""
+    distinct entries (once per mask and version: `_spans_read`); None for any other
+    tensor (never scanned)."""
     if t.dtype != torch.bool or not t.is_cpu or t.ndim != 4 or t.shape[-1] != S:
         return None
     for d in (1, 2):
         if t.shape[d] != 1 and t.stride(d) != 0:
             return None
-    keep = t[:, 0, 0, :]  # (B|1, S), a view
     if S == 0:
         return None
+    version = _version(t)
+    with _spans_lock:
+        kept = _spans_read.get(id(t))
+    if kept is not None and version is not None and kept[0]() is t and kept[1] == version:
+        return list(kept[2])
+    spans = _read_key_spans(t[:, 0, 0, :], S)  # (B|1, S), a view
+    if version is not None:
+        with _spans_lock:
+            for key in [key for key, (ref, _, _) in _spans_read.items() if ref() is None]:
+                del _spans_read[key]  # (freed masks)
+            while len(_spans_read) >= _SPANS_KEPT:
+                del _spans_read[next(iter(_spans_read))]  # (the oldest)
+            _spans_read[id(t)] = (weakref.ref(t), version, spans)
+    return list(spans)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """t's version counter, or None where it has none (an inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _read_key_spans(keep: torch.Tensor, S: int) -> list[KeySpan]:
+    """The key spans of a (B|1, S) bool keep-mask on the CPU: one host read."""
     as_int = keep.to(torch.uint8)
     lo = as_int.argmax(dim=-1)  # first key seen (0 where none)
     hi = S - as_int.flip(-1).argmax(dim=-1)  # one past the last
