@@ -109,8 +109,11 @@ def test_an_expressions_reads_and_gradients_are_the_dense_ops(gen, engine, kind)
         if not want.dtype.is_floating_point:  # counts, indices: the same entries
             if name == "argmax-of-a-product":  # (ties within rounding may pick apart)
                 assert (got == want).float().mean() > 0.9, name
-            else:
-                assert torch.equal(got, want), name
+            else:  # counts of weights over a threshold (monotone in the weights): the
+                # oracle's, but where a weight lies within rounding of the threshold
+                # (0.30000003 read one ulp low is 0.3f: not over 0.3)
+                lo, hi = (f(dense + d, ops64).long() for d in (-2e-6, 2e-6))
+                assert ((lo <= got.long()) & (got.long() <= hi)).all(), name
             assert not got.requires_grad, name
             continue
         # (bfloat16 rounds both sides alike, up to one step of 2^-8 below 1)
