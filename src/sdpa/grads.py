@@ -475,7 +475,7 @@ def pairs_rule(qi: torch.Tensor, kj: torch.Tensor, S: int) -> Rule:
         m = k1 - k0
         nb, h = t.p.shape[:2]
         out = torch.zeros(nb, h, t.p.shape[2] * m, dtype=t.p.dtype, device=t.p.device)
-        for j, b in enumerate(range(w.b.start, w.b.stop, w.b.step or 1)):  # (its elements)
+        for j, b in enumerate(w.elements):
             e = b if qi.shape[0] > 1 else 0
             inside = (qi[e] >= r0) & (qi[e] < r1) & (kj[e] >= k0) & (kj[e] < k1)  # (others: 0)
             flat = (qi[e][inside] - r0) * m + kj[e][inside] - k0

@@ -221,6 +221,11 @@ class Tile(NamedTuple):
         """How many batch elements the tile holds."""
         return self.at_b.stop - self.at_b.start
 
+    @property
+    def elements(self) -> range:
+        """The tile's batch elements (indices into B), in order."""
+        return range(self.b.start, self.b.stop, self.b.step or 1)
+
 
 def width(r: Rows, t: Tile) -> int:
     """How many keys tile t has."""
@@ -235,9 +240,10 @@ def is_open(r: Rows, t: Tile) -> bool:
     if r.spans is None or not r.complete:
         return False
     rows = t.q_rows
-    every = r.live is None or (isinstance(rows, slice) and rows.step in (None, 1))
-    for b in range(t.b.start, t.b.stop, t.b.step or 1):
-        if not r.spans[b][2] or not every:
+    if r.live is not None and not (isinstance(rows, slice) and rows.step in (None, 1)):
+        return False
+    for b in t.elements:
+        if not r.spans[b][2]:
             return False
         if r.live is not None and not (r.live[b][0] <= rows.start and rows.stop <= r.live[b][1]):
             return False
