@@ -4,7 +4,8 @@ rows shifted by their max (an LSE past it), gives the float64 oracle's entropy w
 the precision rule (tests/tolerances.py) and its gradients, at chunk sizes that cut key
 blocks on every edge (one key, a row's last block short, several blocks a row), under
 no mask, causal, bool and float masks, key padding, declared padded queries, sinks, a
-softcap, GQA and non-default scales; attention received and top-k (whole rows, their
+softcap, GQA and non-default scales; the attention received in the same pieces (a
+block's rows exp(s - lse), not divided by their totals) and top-k (whole rows, their
 exponentials through tile.exp) beside it. A property test (hypothesis), not examples."""
 
 from __future__ import annotations

@@ -504,10 +504,10 @@ def stat_budget(r: Rows) -> int:
 # rows (of one head; a product of many rows runs far faster than one of few), blocks of
 # at most chunk_bytes. Measured at (1, 4, 16384, 32) fp32, two threads, against the
 # fused forward: blocks of 256 rows x 1024 keys 0.96x, 1024 x 1024 0.74x, 2048 x 512
-# 0.70x (medians of 4); whole rows, 256 at a time, 1.6x. The attention received reads
-# whole rows: its rows cannot add up over blocks so (each row is divided by its total
-# before the sum over rows), and keeping a tile's blocks until the totals are known ran
-# no faster (1.22x against 1.17x, ab_bench --rounds 5).
+# 0.70x (medians of 4); whole rows, 256 at a time, 1.6x. The attention received takes
+# the same blocks, each exp(s - lse) summed over its rows, as a read of chosen keys is
+# (a block cannot divide its rows by their totals): 0.77x the forward against 1.15x in
+# whole rows of 256 (interleaved, medians of 4).
 BLOCK_ROWS = 2048
 
 
@@ -707,13 +707,26 @@ def dense(r: Rows) -> torch.Tensor:
 @_eager
 def key_sums(r: Rows) -> torch.Tensor:
     """Sum over the selection's rows (all keys): the attention each key receives,
-    (B', H', S), the tiles' partial sums added in float64 on CPU."""
+    (B', H', S), the pieces' partial sums added in float64 on CPU. One pass over each
+    piece (`pieces`): a block of keys of rows whose LSE is exact is exp(s - lse) summed
+    over its rows (a selection of keys: its rows are not divided by their own total,
+    which a block cannot know); whole rows are normalised by their own sum."""
     B, H, _, m = r.shape
-    wide = torch.float64 if r.device.type == "cpu" else r.dtype  # tiles' partial sums
+    wide = torch.float64 if r.device.type == "cpu" else r.dtype  # pieces' partial sums
     out = torch.zeros(B, H, m, dtype=wide, device=r.device)
-    for tr in each(r, budget=stat_budget(r)):
-        t = tr.where
-        out[t.at_b, t.at_h, t.keys] += tr.p.sum(dim=-2)
+    if empty(*r.shape):
+        return out.to(r.dtype)
+    r = r._replace(keys=ALL)
+    scores = Scratch(r)
+    for t in tiles(r, block_budget(r)):
+        for piece in pieces(r, t):
+            shifted, c, sinks = _shifted(r, piece, scores.of(piece))
+            if piece.keys == t.keys:  # whole rows
+                e, total = tile.exponentiate(shifted, c, sinks)
+                p = e.div_(total)
+            else:
+                p = tile.exp(shifted)  # exp(s - lse): the product subtracted the LSE
+            out[t.at_b, t.at_h, piece.keys] += p.sum(dim=-2)
     return out.to(r.dtype)
 
 
