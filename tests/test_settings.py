@@ -169,30 +169,38 @@ def test_the_small_backend_reads_the_settings(gen):
 
 def test_the_weights_engine_reads_the_chunk_budget(gen):
     """A budget of a few rows cuts the weights into many tiles: a read's backward into
-    tiles of the budget, its forward (a single-pass statistic) into tiles of up to 4x it
-    (rows.stat_budget); the same answers."""
+    tiles of the budget, its forward (the attention received, in the entropy's pieces:
+    rows.pieces) into blocks of keys within it, each weight computed once; the same
+    answers."""
     from sdpa import rows
 
     q, k, v, mask = make_inputs(gen, Hq=2, L=40, S=50, mask_kind="float")
     q.requires_grad_()
     w = sdpa.attention(q, k, v, mask).weights
-    calls = []
-    real = rows.Source.tile
+    calls, pieces = [], []
+    real, real_shifted = rows.Source.tile, rows._shifted
 
     def counting(source, t):
         calls.append((len(t.heads), t.at_r.stop - t.at_r.start))
         return real(source, t)
 
+    def shifted(r, t, out):
+        pieces.append(t.nb * len(t.heads) * (t.at_r.stop - t.at_r.start) * rows.width(r, t))
+        return real_shifted(r, t, out)
+
     q64 = q.detach().double().requires_grad_()
     ref = oracle(q64, k.double(), v.double(), mask)[1].sum(-2)
-    with settings.override(chunk_bytes=5 * 50 * 4), pytest.MonkeyPatch.context() as mp:
+    budget = 5 * 50 * 4
+    with settings.override(chunk_bytes=budget), pytest.MonkeyPatch.context() as mp:
         mp.setattr(rows.Source, "tile", counting)
+        mp.setattr(rows, "_shifted", shifted)
         sums = w.sum(dim=-2)
-        forward, calls[:] = list(calls), []
+        assert not calls  # (the forward reads no Source tile)
+        mp.setattr(rows, "_shifted", real_shifted)
         sums.square().sum().backward()
-    forward = [n for heads, n in forward if heads == 1]
+    assert len(pieces) > 2 and max(pieces) * 4 <= budget, pieces
+    assert sum(pieces) == w.numel()  # each weight once
     backward = [n for heads, n in calls if heads == 1]
-    assert max(forward) == 20 and len(forward) == 2 * 2 * 2  # 20 rows of one head a tile
     assert max(backward) == 5 and len(backward) == 2 * 2 * 8  # 5 rows of one head a tile
     torch.testing.assert_close(sums.double(), ref, atol=1e-4, rtol=0)
     (want,) = torch.autograd.grad(ref.square().sum(), q64)
