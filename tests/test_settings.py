@@ -185,7 +185,7 @@ def test_the_weights_engine_reads_the_chunk_budget(gen):
         return real(source, t)
 
     def shifted(r, t, out):
-        pieces.append(t.nb * len(t.heads) * (t.at_r.stop - t.at_r.start) * rows.width(r, t))
+        pieces.append(rows._size(r, t))
         return real_shifted(r, t, out)
 
     q64 = q.detach().double().requires_grad_()

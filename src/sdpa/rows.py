@@ -725,7 +725,7 @@ def key_sums(r: Rows) -> torch.Tensor:
                 e, total = tile.exponentiate(shifted, c, sinks)
                 p = e.div_(total)
             else:
-                p = tile.exp(shifted)  # exp(s - lse): the product subtracted the LSE
+                p = tile.rebuild(shifted)  # exp(s - lse): the product subtracted the LSE
             out[t.at_b, t.at_h, piece.keys] += p.sum(dim=-2)
     return out.to(r.dtype)
 
